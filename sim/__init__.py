@@ -1,0 +1,1 @@
+"""Instruments that measure a training step without knowing what ZeRO is."""

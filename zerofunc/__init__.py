@@ -1,0 +1,6 @@
+"""zerofunc: ZeRO stages 0-3 in a functional style on PyTorch."""
+from zerofunc.engine import ZeroEngine
+from zerofunc.optim import AdamWConfig, adamw_
+from zerofunc.stages import STAGES, Stage, get_stage
+
+__all__ = ["ZeroEngine", "AdamWConfig", "adamw_", "STAGES", "Stage", "get_stage"]

@@ -1,0 +1,103 @@
+"""One communicator interface, two implementations.
+
+`DistCommunicator` runs real collectives through torch.distributed (gloo on CPU,
+NCCL on CUDA). `RecordingCommunicator` runs none: the tensors are meta tensors and it
+only writes down what would have been sent. Both append identical ledger entries,
+which is what lets the planner claim the trainer does exactly what it simulated.
+"""
+from __future__ import annotations
+
+from typing import Optional, Protocol
+
+import torch
+import torch.distributed as dist
+
+from sim.ledger import Ledger, LedgerEntry
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives; keep working on either side.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class Handle(Protocol):
+    def wait(self) -> None: ...
+
+
+class _Done:
+    """The handle of a collective that has already completed."""
+
+    def wait(self) -> None:
+        return None
+
+
+class Communicator:
+    """Collectives over flat buffers. Subclasses implement `_run`; this class keeps the ledger.
+
+    `mean=True` averages instead of summing, which is how gradients are reduced.
+    """
+
+    def __init__(self, rank: int, world_size: int, ledger: Optional[Ledger] = None):
+        self.rank = rank
+        self.world_size = world_size
+        self.ledger = ledger if ledger is not None else Ledger()
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, tag: str = "", async_op: bool = False) -> Handle:
+        """Concatenate every rank's `inp` (one shard) into `out`."""
+        if out.numel() != inp.numel() * self.world_size:
+            raise ValueError(f"all_gather: out has {out.numel()} elements, expected {inp.numel()} x {self.world_size}")
+        return self._issue("all_gather", out, tag, async_op, out=out, inp=inp)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, tag: str = "", mean: bool = True,
+                       async_op: bool = False) -> Handle:
+        """Reduce `inp` (full buffer) over ranks and keep this rank's shard in `out`."""
+        if inp.numel() != out.numel() * self.world_size:
+            raise ValueError(f"reduce_scatter: inp has {inp.numel()} elements, expected {out.numel()} x {self.world_size}")
+        return self._issue("reduce_scatter", inp, tag, async_op, out=out, inp=inp, mean=mean)
+
+    def all_reduce(self, t: torch.Tensor, tag: str = "", mean: bool = True, async_op: bool = False) -> Handle:
+        return self._issue("all_reduce", t, tag, async_op, out=t, mean=mean)
+
+    def broadcast(self, t: torch.Tensor, src: int = 0, tag: str = "", async_op: bool = False) -> Handle:
+        return self._issue("broadcast", t, tag, async_op, out=t, src=src)
+
+    def _issue(self, op: str, payload: torch.Tensor, tag: str, async_op: bool, **kw) -> Handle:
+        self.ledger.append(LedgerEntry(op, str(payload.dtype).removeprefix("torch."),
+                                       payload.numel() * payload.element_size(), self.world_size, tag))
+        handle = self._run(op, async_op=async_op, **kw)
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def _run(self, op: str, async_op: bool, **kw) -> Handle:
+        raise NotImplementedError
+
+
+class DistCommunicator(Communicator):
+    """Real collectives on the default (or a given) torch.distributed process group."""
+
+    def __init__(self, group=None, ledger: Optional[Ledger] = None):
+        self.group = group
+        super().__init__(dist.get_rank(group), dist.get_world_size(group), ledger)
+
+    def _run(self, op: str, async_op: bool, out, inp=None, mean: bool = False, src: int = 0) -> Handle:
+        g = self.group
+        if op == "all_gather":
+            work = _all_gather_single(out, inp, group=g, async_op=async_op)
+        elif op == "reduce_scatter":
+            work = _reduce_scatter_single(out, inp, op=self._reduce_op(mean), group=g, async_op=async_op)
+        elif op == "all_reduce":
+            work = dist.all_reduce(out, op=self._reduce_op(mean), group=g, async_op=async_op)
+        else:
+            work = dist.broadcast(out, src=src, group=g, async_op=async_op)
+        return work if work is not None else _Done()
+
+    @staticmethod
+    def _reduce_op(mean: bool):
+        return dist.ReduceOp.AVG if mean else dist.ReduceOp.SUM
+
+
+class RecordingCommunicator(Communicator):
+    """Records the collectives a step would issue; moves no data (for meta tensors)."""
+
+    def _run(self, op: str, async_op: bool, **kw) -> Handle:
+        return _Done()

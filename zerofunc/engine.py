@@ -1,0 +1,212 @@
+"""The ZeRO engine: one training step, shared by every stage and by the simulator.
+
+The model is run statelessly with `torch.func.functional_call`, its parameters
+replaced by views into each unit's flat buffer. Each unit's buffer enters the graph
+through `_UnitBoundary`, an autograd function whose backward receives the unit's whole
+gradient at once, the moment backward has finished with the unit. There the stage
+decides what to do with it (all-reduce, reduce-scatter, or keep it for later).
+
+Stage 3 additionally frees each gathered buffer after the unit's forward and gathers
+it again on demand in backward: the views stay valid because only their storage is
+released (as PyTorch FSDP1 does), and a saved-tensor hook notices when backward
+unpacks a weight of a released unit. Gradients come from torch autograd; torch.func's
+transforms return zeros through collectives.
+
+The same code runs on meta tensors with a `RecordingCommunicator` to simulate a step.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+from torch.func import functional_call
+
+from zerofunc.comm import Communicator
+from zerofunc.optim import AdamWConfig, adamw_
+from zerofunc.stages import Stage
+from zerofunc.units import InitFn, Unit, materialize, owned_params, partition
+
+
+class _UnitBoundary(torch.autograd.Function):
+    """Identity on the unit's buffer in forward; hands the unit's gradient to the engine in backward.
+
+    Its input is a shared empty `anchor` that requires grad, so the graph runs through
+    every unit without the buffers themselves being autograd leaves: the engine, not
+    autograd, decides where gradients are stored.
+    """
+
+    @staticmethod
+    def forward(ctx, anchor, engine, unit):
+        ctx.engine, ctx.unit = engine, unit
+        return unit.full.view_as(unit.full)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.engine._unit_backward(ctx.unit, grad)
+        return None, None, None
+
+
+def _bind(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Put `tensors` in place of the model's parameters of those names; return what they replaced."""
+    replaced = {}
+    for name, t in tensors.items():
+        path, _, attr = name.rpartition(".")
+        owner = model.get_submodule(path)
+        replaced[name] = owner._parameters[attr]
+        owner._parameters[attr] = t
+    return replaced
+
+
+class _SavedUnitWeight:
+    """What stage 3's pack hook saves instead of a weight: the weight plus its unit."""
+
+    __slots__ = ("unit", "tensor")
+
+    def __init__(self, unit: Unit, tensor: torch.Tensor):
+        self.unit, self.tensor = unit, tensor
+
+
+class ZeroEngine:
+    """Trains `model` with ZeRO `stage` over `comm`'s ranks.
+
+    `model` may live on the meta device: only the shapes of its parameters are used.
+    `unit_names` are the submodules gathered one at a time under stage 3; their
+    parameters, and separately all the others, each form one flat unit.
+    """
+
+    def __init__(self, model: nn.Module, stage: Stage, comm: Communicator, optim: AdamWConfig,
+                 device: torch.device | str = "cpu", init: Optional[InitFn] = None,
+                 unit_names: Optional[list[str]] = None):
+        self.model, self.stage, self.comm, self.optim = model, stage, comm, optim
+        self.device = torch.device(device)
+        if unit_names is None:
+            unit_names = model.shard_units() if hasattr(model, "shard_units") else []
+        self.units = [materialize(name, module, named, comm.world_size, comm.rank, stage, self.device, init)
+                      for name, module, named in partition(model, unit_names)]
+        self.numel = sum(u.numel for u in self.units)
+        self.step_count = 0
+        self._anchor = torch.empty(0, device=self.device, requires_grad=True)
+        self._by_buffer = {id(u.full): u for u in self.units}
+        self._root = next((u for u in self.units if u.name == ""), None)  # parameters outside any block
+        self._blocks = [u for u in self.units if u.name != ""]
+        if stage.shard_params:
+            for unit in self._blocks:
+                unit.module.register_forward_pre_hook(self._gather_and_bind(unit))
+                unit.module.register_forward_hook(self._unbind_and_release(unit))
+
+    # ---- forward -----------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        """Run the model's forward on this rank's batch, with the units' weights.
+
+        Weights enter as views of each unit's buffer, passed through `_UnitBoundary`.
+        Under stage 3 a block's views can only be taken once it is gathered, so its
+        forward pre-hook binds them; the root unit is gathered for the whole call.
+        """
+        eager = [self._root] if self.stage.shard_params else self.units
+        views: dict[str, torch.Tensor] = {}
+        for unit in eager:
+            if unit is not None:
+                self._gather(unit, "params.fwd")
+                views.update(self._unit_views(unit))
+        if not self.stage.shard_params:
+            return functional_call(self.model, views, args, kwargs)
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            out = functional_call(self.model, views, args, kwargs)
+        if self._root is not None:
+            self._release(self._root)
+        return out
+
+    def _unit_views(self, unit: Unit) -> dict[str, torch.Tensor]:
+        return unit.layout.views(_UnitBoundary.apply(self._anchor, self, unit))
+
+    def _gather(self, unit: Unit, tag: str) -> None:
+        if unit.gathered:
+            return
+        unit.full.untyped_storage().resize_(unit.full.numel() * unit.full.element_size())
+        self.comm.all_gather(unit.full, unit.params, tag=tag)
+        unit.gathered = True
+
+    def _release(self, unit: Unit) -> None:
+        if unit.gathered:
+            unit.full.untyped_storage().resize_(0)
+            unit.gathered = False
+
+    def _gather_and_bind(self, unit: Unit):
+        def hook(module, args):
+            self._gather(unit, "params.fwd")
+            unit.bound = _bind(self.model, self._unit_views(unit))
+        return hook
+
+    def _unbind_and_release(self, unit: Unit):
+        def hook(module, args, out):
+            _bind(self.model, unit.bound)
+            unit.bound = None
+            self._release(unit)
+        return hook
+
+    def _pack(self, t: torch.Tensor):
+        unit = self._by_buffer.get(id(t._base)) if t._base is not None else None
+        return t if unit is None else _SavedUnitWeight(unit, t)
+
+    def _unpack(self, saved):
+        if isinstance(saved, _SavedUnitWeight):
+            self._gather(saved.unit, "params.bwd")
+            return saved.tensor
+        return saved
+
+    # ---- backward ----------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def _unit_backward(self, unit: Unit, grad: torch.Tensor) -> None:
+        """The unit's full local gradient exists: reduce it as the stage says."""
+        stage, comm = self.stage, self.comm
+        if stage.shard_grads:
+            unit.grad = torch.empty(unit.layout.shard_numel, device=grad.device, dtype=grad.dtype)
+            comm.reduce_scatter(unit.grad, grad, tag="grads")
+            if stage.shard_params:
+                self._release(unit)  # backward is done with this unit's weights
+        elif stage.shard_optimizer:
+            unit.local_grad = grad  # ZeRO-1 keeps the full gradient; only the optimizer is sharded
+            unit.grad = torch.empty(unit.layout.shard_numel, device=grad.device, dtype=grad.dtype)
+            comm.reduce_scatter(unit.grad, grad, tag="grads")
+        else:
+            comm.all_reduce(grad, tag="grads")
+            unit.local_grad = unit.grad = grad
+
+    # ---- optimizer ---------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, lr: Optional[float] = None) -> None:
+        """AdamW on what this rank owns; then re-assemble whole parameters if the stage keeps them."""
+        self.step_count += 1
+        for unit in self.units:
+            if unit.grad is None:
+                raise RuntimeError(f"unit {unit.name or '<root>'} has no gradient: call backward() before step()")
+            owned = owned_params(unit, self.comm.rank)
+            adamw_(owned, unit.grad, unit.m, unit.v, self.step_count, self.optim, lr=lr)
+            if self.stage.shard_optimizer and not self.stage.shard_params:
+                self.comm.all_gather(unit.params, owned.clone(), tag="params.step")
+            unit.grad = unit.local_grad = None
+
+    # ---- export ------------------------------------------------------------------
+    @torch.no_grad()
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter, whole, on every rank (gathers under stage 3)."""
+        return self._unflatten(lambda u: u.params, sharded=self.stage.shard_params)
+
+    @torch.no_grad()
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """The reduced gradient of every parameter, whole (between backward and step)."""
+        return self._unflatten(lambda u: u.grad, sharded=self.stage.shard_optimizer)
+
+    def _unflatten(self, get: Callable[[Unit], torch.Tensor], sharded: bool) -> dict[str, torch.Tensor]:
+        out = {}
+        for unit in self.units:
+            flat = get(unit)
+            if sharded:
+                whole = torch.empty(unit.layout.padded_numel, device=flat.device, dtype=flat.dtype)
+                self.comm.all_gather(whole, flat, tag="export")
+                flat = whole
+            out.update({k: v.clone() for k, v in unit.layout.views(flat).items()})
+        return out

@@ -1,0 +1,104 @@
+"""Flat layout: a unit's parameters packed into one buffer that splits into equal shards.
+
+The buffer is padded so that it divides into `world_size` contiguous shards of equal
+length. Balancing is by element, not by tensor: a parameter may straddle two ranks.
+Every collective then moves one contiguous buffer per unit, and a rank's optimizer
+state is simply the slice of that buffer it owns.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one parameter lives in the flat buffer."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    slots: tuple[Slot, ...]
+    world_size: int
+
+    @classmethod
+    def build(cls, named_shapes: Sequence[tuple[str, Sequence[int]]], world_size: int) -> "FlatLayout":
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        slots, offset = [], 0
+        for name, shape in named_shapes:
+            slot = Slot(name, tuple(int(s) for s in shape), offset)
+            slots.append(slot)
+            offset += slot.numel
+        return cls(tuple(slots), world_size)
+
+    @property
+    def numel(self) -> int:
+        """Parameter elements, without padding."""
+        return sum(s.numel for s in self.slots)
+
+    @property
+    def shard_numel(self) -> int:
+        return -(-self.numel // self.world_size) if self.numel else 0
+
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_numel * self.world_size
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        """The [start, stop) of the flat buffer that `rank` owns."""
+        start = rank * self.shard_numel
+        return start, start + self.shard_numel
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each parameter as a view into `flat` (a full, padded buffer).
+
+        One `split` rather than one slice per parameter: its backward concatenates the
+        parameter gradients into one unit-sized gradient instead of allocating a
+        unit-sized zero tensor per parameter.
+        """
+        if flat.numel() != self.padded_numel:
+            raise ValueError(f"flat buffer has {flat.numel()} elements, layout needs {self.padded_numel}")
+        sizes = [s.numel for s in self.slots]
+        pieces = flat.split(sizes + [self.padded_numel - self.numel])
+        return {s.name: p.view(s.shape) for s, p in zip(self.slots, pieces)}
+
+    def owned_pieces(self, rank: int) -> Iterator[tuple[Slot, int, int, int]]:
+        """For each parameter overlapping `rank`'s shard: (slot, lo, hi, at).
+
+        Elements [lo, hi) of the flattened parameter belong to this rank and sit at
+        offset `at` of its shard. Used to materialize only what a rank owns.
+        """
+        start, stop = self.shard_range(rank)
+        for slot in self.slots:
+            lo = max(start, slot.offset)
+            hi = min(stop, slot.offset + slot.numel)
+            if lo < hi:
+                yield slot, lo - slot.offset, hi - slot.offset, lo - start
+
+
+def shard(flat: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Rank `rank`'s contiguous shard of a padded flat buffer (a view, no copy)."""
+    if flat.numel() % world_size:
+        raise ValueError(f"{flat.numel()} elements do not split into {world_size} equal shards")
+    n = flat.numel() // world_size
+    return flat[rank * n:(rank + 1) * n]
+
+
+def unshard(shards: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The full flat buffer from every rank's shard, in rank order."""
+    sizes = {s.numel() for s in shards}
+    if len(sizes) > 1:
+        raise ValueError(f"shards differ in size: {sorted(sizes)}")
+    return torch.cat([s.reshape(-1) for s in shards])
