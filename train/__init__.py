@@ -1,0 +1,1 @@
+"""python -m train: the zerofunc trainer."""

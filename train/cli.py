@@ -1,0 +1,76 @@
+"""Command line of python -m train. Bad input ends in one line on stderr and exit code 2."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from train.data import DataError, load_tokens
+from train.loop import TrainArgs, train_rank
+from zerofunc.launch import RankError, default_backend, init_torchrun, spawn, under_torchrun
+from zerofunc.models import MODELS, model_config
+
+DEFAULTS = dict(model="gpt2-tiny", stage=3, nproc=2, steps=200, micro_batch=8, seq=128, lr=3e-3, seed=0)
+
+
+class UsageError(ValueError):
+    pass
+
+
+def parse(argv: list[str] | None) -> TrainArgs:
+    p = argparse.ArgumentParser(prog="python -m train", description="Train a GPT-2 with ZeRO stages 0-3.")
+    p.add_argument("--model", default=DEFAULTS["model"], help=f"one of {', '.join(MODELS)}")
+    p.add_argument("--stage", type=int, default=DEFAULTS["stage"], help="ZeRO stage: 0, 1, 2 or 3")
+    p.add_argument("--nproc", type=int, default=DEFAULTS["nproc"], help="ranks to start (ignored under torchrun)")
+    p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="optimizer steps")
+    p.add_argument("--micro-batch", type=int, default=DEFAULTS["micro_batch"], help="sequences per rank per step")
+    p.add_argument("--seq", type=int, default=DEFAULTS["seq"], help="tokens per sequence")
+    p.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="AdamW learning rate")
+    p.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="seed of the initial weights and the data order")
+    p.add_argument("--data", default=None, help="a file of training bytes (default: the standard library's sources)")
+    p.add_argument("--out", default="runs/latest", help="directory for metrics.jsonl")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA if available")
+    a = p.parse_args(argv)
+
+    if a.model not in MODELS:
+        raise UsageError(f"unknown model {a.model!r}; choose one of {', '.join(MODELS)}")
+    if a.stage not in (0, 1, 2, 3):
+        raise UsageError(f"--stage must be 0, 1, 2 or 3, got {a.stage}")
+    for flag in ("nproc", "steps", "micro_batch", "seq"):
+        if getattr(a, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(a, flag)}")
+    if not a.lr > 0:
+        raise UsageError(f"--lr must be positive, got {a.lr}")
+    context = model_config(a.model).block_size
+    if a.seq > context:
+        raise UsageError(f"--seq {a.seq} is longer than {a.model}'s context of {context} tokens")
+    device = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda, but no CUDA device is available")
+    if device == "cuda" and not under_torchrun() and a.nproc > torch.cuda.device_count():
+        raise UsageError(f"--nproc {a.nproc} exceeds the {torch.cuda.device_count()} CUDA devices here")
+    return TrainArgs(a.model, a.stage, a.nproc, a.steps, a.micro_batch, a.seq, a.lr, a.seed, a.data, a.out, device)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse(argv)
+        load_tokens(args.data, args.seq)  # fail here, in one line, rather than in every rank
+    except (UsageError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    backend = default_backend(torch.device(args.device))
+    try:
+        if under_torchrun():
+            init_torchrun(backend)
+            train_rank(args)
+        else:
+            spawn(train_rank, args.nproc, args, backend=backend)
+    except RankError as e:
+        print(f"error: training failed on {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    return 0
