@@ -31,8 +31,8 @@ def reference_run(case, world_size):
     opt = torch.optim.AdamW(model.parameters(), lr=OPTIM.lr, betas=OPTIM.betas, eps=OPTIM.eps,
                             weight_decay=OPTIM.weight_decay, foreach=False)
     first_grads = None
-    for x, y in global_batches(case, world_size, STEPS):
-        model(x, y).backward()
+    for x, y, ids in global_batches(case, world_size, STEPS):
+        model(x, y, ids).backward()
         if first_grads is None:
             first_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         opt.step()
@@ -49,8 +49,8 @@ def engine_run(case, stage):
     initial = engine.full_parameters()
     mb = case.micro_batch
     first_grads = None
-    for x, y in global_batches(case, world, STEPS):
-        loss = engine(x[rank * mb:(rank + 1) * mb], y[rank * mb:(rank + 1) * mb])
+    for batch in global_batches(case, world, STEPS):
+        loss = engine(*(t[rank * mb:(rank + 1) * mb] for t in batch))
         engine.backward(loss)
         if first_grads is None:
             first_grads = engine.full_gradients()

@@ -11,7 +11,7 @@ from train.loop import TrainArgs, train_rank
 from zerofunc.launch import RankError, default_backend, init_torchrun, spawn, under_torchrun
 from zerofunc.models import MODELS, model_config
 
-DEFAULTS = dict(model="gpt2-tiny", stage=3, nproc=2, steps=200, micro_batch=8, seq=128, lr=3e-3, seed=0)
+DEFAULTS = dict(model="gpt2-tiny", stage=3, nproc=2, steps=1000, micro_batch=8, seq=128, lr=1e-3, seed=0)
 
 
 class UsageError(ValueError):
@@ -27,6 +27,7 @@ def parse(argv: list[str] | None) -> TrainArgs:
     p.add_argument("--micro-batch", type=int, default=DEFAULTS["micro_batch"], help="sequences per rank per step")
     p.add_argument("--seq", type=int, default=DEFAULTS["seq"], help="tokens per sequence")
     p.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="AdamW learning rate")
+    p.add_argument("--dropout", type=float, default=0.0, help="dropout rate, seeded per global sample (default off)")
     p.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="seed of the initial weights and the data order")
     p.add_argument("--data", default=None, help="a file of training bytes (default: the standard library's sources)")
     p.add_argument("--out", default="runs/latest", help="directory for metrics.jsonl")
@@ -42,6 +43,8 @@ def parse(argv: list[str] | None) -> TrainArgs:
             raise UsageError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(a, flag)}")
     if not a.lr > 0:
         raise UsageError(f"--lr must be positive, got {a.lr}")
+    if not 0 <= a.dropout < 1:
+        raise UsageError(f"--dropout must lie in [0, 1), got {a.dropout}")
     context = model_config(a.model).block_size
     if a.seq > context:
         raise UsageError(f"--seq {a.seq} is longer than {a.model}'s context of {context} tokens")
@@ -50,7 +53,8 @@ def parse(argv: list[str] | None) -> TrainArgs:
         raise UsageError("--device cuda, but no CUDA device is available")
     if device == "cuda" and not under_torchrun() and a.nproc > torch.cuda.device_count():
         raise UsageError(f"--nproc {a.nproc} exceeds the {torch.cuda.device_count()} CUDA devices here")
-    return TrainArgs(a.model, a.stage, a.nproc, a.steps, a.micro_batch, a.seq, a.lr, a.seed, a.data, a.out, device)
+    return TrainArgs(a.model, a.stage, a.nproc, a.steps, a.micro_batch, a.seq, a.lr, a.dropout, a.seed,
+                     a.data, a.out, device)
 
 
 def main(argv: list[str] | None = None) -> int:

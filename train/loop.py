@@ -28,6 +28,7 @@ class TrainArgs:
     micro_batch: int
     seq: int
     lr: float
+    dropout: float
     seed: int
     data: Optional[str]
     out: str
@@ -50,7 +51,7 @@ def train_rank(args: TrainArgs) -> dict:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     tokens = load_tokens(args.data, args.seq)
     with torch.device("meta"):
-        model = GPT(model_config(args.model))
+        model = GPT(model_config(args.model, dropout=args.dropout))
     comm = DistCommunicator()
     engine = ZeroEngine(model, get_stage(args.stage), comm, AdamWConfig(lr=args.lr), device,
                         init=lambda name, shape: model.init_param(name, shape, args.seed))
@@ -60,8 +61,8 @@ def train_rank(args: TrainArgs) -> dict:
     loss_mean = float("nan")
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
-        x, y = (t.to(device) for t in rank_batch(tokens, step, args.micro_batch, world, rank, args.seq, args.seed))
-        loss = engine(x, y)
+        batch = rank_batch(tokens, step, args.micro_batch, world, rank, args.seq, args.seed)
+        loss = engine(*(t.to(device) for t in batch))
         engine.backward(loss)
         engine.step()
         reduced = loss.detach().clone()

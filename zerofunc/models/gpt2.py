@@ -22,7 +22,7 @@ class GPTConfig:
     n_embd: int
     vocab_size: int = 50257
     block_size: int = 1024
-    dropout: float = 0.0  # off by default: randomness would break equivalence across rank counts
+    dropout: float = 0.0  # off by default; when on, masks are seeded per global sample (sample_dropout)
 
     def __post_init__(self) -> None:
         for field in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size"):
@@ -30,6 +30,8 @@ class GPTConfig:
                 raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd {self.n_embd} is not a multiple of n_head {self.n_head}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must lie in [0, 1), got {self.dropout}")
 
 
 # The published GPT-2 shapes (Radford et al. 2019), plus a tiny one for tests and CPU runs.
@@ -48,11 +50,30 @@ def model_config(name: str, **overrides) -> GPTConfig:
     return replace(MODELS[name], **overrides)
 
 
+def sample_dropout(x: torch.Tensor, p: float, sample_ids: torch.Tensor | None, site: int,
+                   training: bool) -> torch.Tensor:
+    """Dropout whose mask for row b depends only on (sample_ids[b], site).
+
+    A global RNG would give a sample a different mask depending on how many ranks
+    split the batch; seeding each sample's mask by its global identity keeps N ranks
+    equivalent to one device even with dropout on.
+    """
+    if p == 0 or not training:
+        return x
+    if sample_ids is None:
+        raise ValueError("dropout > 0 needs sample_ids, so that masks do not depend on the rank count")
+    if x.device.type == "meta":
+        return x / (1 - p)
+    keep = torch.stack([
+        torch.rand(x.shape[1:], generator=torch.Generator().manual_seed((int(s) * 1_000_003 + site) % 2**63)) >= p
+        for s in sample_ids.tolist()])
+    return x * keep.to(x.device) / (1 - p)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head = cfg.n_head
-        self.dropout = cfg.dropout
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
 
@@ -60,8 +81,7 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # no dropout on attention weights
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -76,16 +96,18 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, index: int):
         super().__init__()
+        self.dropout, self.site = cfg.dropout, 1 + 2 * index
         self.ln_1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+    def forward(self, x: torch.Tensor, sample_ids: torch.Tensor | None = None) -> torch.Tensor:
+        drop = lambda y, site: sample_dropout(y, self.dropout, sample_ids, site, self.training)
+        x = x + drop(self.attn(self.ln_1(x)), self.site)
+        return x + drop(self.mlp(self.ln_2(x)), self.site + 1)
 
 
 class GPT(nn.Module):
@@ -96,17 +118,22 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
-        self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.h = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits, or the mean cross-entropy over all tokens when `targets` is given."""
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                sample_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits, or the mean cross-entropy over all tokens when `targets` is given.
+
+        `sample_ids` name each row's global sample; dropout (when on) seeds by them.
+        """
         T = idx.shape[1]
         if T > self.cfg.block_size:
             raise ValueError(f"sequence of {T} tokens exceeds the context of {self.cfg.block_size}")
         x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        x = sample_dropout(x, self.cfg.dropout, sample_ids, 0, self.training)
         for block in self.h:
-            x = block(x)
+            x = block(x, sample_ids)
         logits = F.linear(self.ln_f(x), self.wte.weight)
         if targets is None:
             return logits

@@ -1,0 +1,84 @@
+"""python -m train: stages and rank counts agree step for step; bad input fails cleanly."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from train.cli import DEFAULTS, main
+
+
+def losses(out: Path) -> list[float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    assert all({"step", "loss", "tokens", "time_s"} <= set(r) for r in rows)
+    return [r["loss"] for r in rows]
+
+
+def test_every_stage_and_rank_count_gives_the_same_losses(tmp_path):
+    """The issue's acceptance run: stages 0-3 on 2 ranks and stage 0 on 1 rank with twice the micro-batch."""
+    runs = {f"stage{s}": ["--stage", str(s), "--nproc", "2"] for s in range(4)}
+    runs["one-rank"] = ["--stage", "0", "--nproc", "1", "--micro-batch", str(2 * DEFAULTS["micro_batch"])]
+    curves = {}
+    for name, flags in runs.items():
+        assert main(flags + ["--steps", "20", "--seed", "0", "--out", str(tmp_path / name), "--device", "cpu"]) == 0
+        curves[name] = losses(tmp_path / name)
+    assert_same_curves(curves, "one-rank", steps=20)
+
+
+def assert_same_curves(curves: dict[str, list[float]], reference_name: str, steps: int) -> None:
+    reference = curves.pop(reference_name)
+    assert len(reference) == steps and reference[-1] < reference[0]  # it learns
+    for name, curve in curves.items():
+        worst = max(abs(a - b) / abs(b) for a, b in zip(curve, reference))
+        assert worst <= 1e-4, f"{name} differs from {reference_name} by {worst:.2e}"
+
+
+def test_dropout_keeps_rank_counts_equivalent(tmp_path):
+    """With dropout on, 2 ranks at stage 3 still match 1 rank: masks follow the sample, not the rank."""
+    common = ["--dropout", "0.1", "--steps", "5", "--seq", "32", "--device", "cpu"]
+    runs = {"one-rank": ["--nproc", "1", "--micro-batch", "4"], "two-ranks": ["--nproc", "2", "--micro-batch", "2"]}
+    curves = {}
+    for name, flags in runs.items():
+        assert main(flags + common + ["--out", str(tmp_path / name)]) == 0
+        curves[name] = losses(tmp_path / name)
+    assert_same_curves(curves, "one-rank", steps=5)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--nproc", "0"], "--nproc must be at least 1"),
+    (["--stage", "4"], "--stage must be 0, 1, 2 or 3"),
+    (["--model", "gpt3"], "unknown model 'gpt3'"),
+    (["--seq", "257"], "longer than gpt2-tiny's context of 256"),
+    (["--steps", "0"], "--steps must be at least 1"),
+    (["--lr", "-1"], "--lr must be positive"),
+    (["--dropout", "1"], "--dropout must lie in [0, 1)"),
+    (["--data", "/no/such/file"], "does not exist"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, flags, message):
+    out = tmp_path / "out"
+    assert main(flags + ["--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err
+    assert not out.exists()
+
+
+def test_empty_or_too_short_data_file(tmp_path, capsys):
+    empty, short = tmp_path / "empty.txt", tmp_path / "short.txt"
+    empty.write_bytes(b"")
+    short.write_bytes(b"abc")
+    assert main(["--data", str(empty), "--out", str(tmp_path / "o")]) == 2
+    assert "is empty" in capsys.readouterr().err
+    assert main(["--data", str(short), "--seq", "8", "--out", str(tmp_path / "o")]) == 2
+    assert "fewer than one sequence" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_command_line_exit_code_and_no_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "train", "--nproc", "-1", "--out", str(tmp_path / "o")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "error: --nproc must be at least 1, got -1"
