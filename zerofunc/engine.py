@@ -162,18 +162,16 @@ class ZeroEngine:
     def _unit_backward(self, unit: Unit, grad: torch.Tensor) -> None:
         """The unit's full local gradient exists: reduce it as the stage says."""
         stage, comm = self.stage, self.comm
-        if stage.shard_grads:
-            unit.grad = torch.empty(unit.layout.shard_numel, device=grad.device, dtype=grad.dtype)
-            comm.reduce_scatter(unit.grad, grad, tag="grads")
-            if stage.shard_params:
-                self._release(unit)  # backward is done with this unit's weights
-        elif stage.shard_optimizer:
-            unit.local_grad = grad  # ZeRO-1 keeps the full gradient; only the optimizer is sharded
-            unit.grad = torch.empty(unit.layout.shard_numel, device=grad.device, dtype=grad.dtype)
-            comm.reduce_scatter(unit.grad, grad, tag="grads")
-        else:
+        if not stage.shard_optimizer:
             comm.all_reduce(grad, tag="grads")
             unit.local_grad = unit.grad = grad
+            return
+        unit.grad = torch.empty(unit.layout.shard_numel, device=grad.device, dtype=grad.dtype)
+        comm.reduce_scatter(unit.grad, grad, tag="grads")
+        if not stage.shard_grads:
+            unit.local_grad = grad  # ZeRO-1 keeps the full gradient; only the optimizer is sharded
+        if stage.shard_params:
+            self._release(unit)  # backward is done with this unit's weights
 
     # ---- optimizer ---------------------------------------------------------------
     @torch.no_grad()
@@ -186,6 +184,7 @@ class ZeroEngine:
             owned = owned_params(unit, self.comm.rank)
             adamw_(owned, unit.grad, unit.m, unit.v, self.step_count, self.optim, lr=lr)
             if self.stage.shard_optimizer and not self.stage.shard_params:
+                # A separate input: not every backend gathers from a slice of the output in place.
                 self.comm.all_gather(unit.params, owned.clone(), tag="params.step")
             unit.grad = unit.local_grad = None
 
