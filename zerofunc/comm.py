@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from sim.ledger import Ledger, LedgerEntry
+from sim.memory import NoMemoryTracking
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; keep working on either side.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -34,12 +35,15 @@ class Communicator:
     """Collectives over flat buffers. Subclasses implement `_run`; this class keeps the ledger.
 
     `mean=True` averages instead of summing, which is how gradients are reduced.
+    Whatever a backend allocates while a collective runs is counted in `memory`
+    (a sim.memory.MemoryTracker, set by the engine) as communication buffers.
     """
 
     def __init__(self, rank: int, world_size: int, ledger: Optional[Ledger] = None):
         self.rank = rank
         self.world_size = world_size
         self.ledger = ledger if ledger is not None else Ledger()
+        self.memory = NoMemoryTracking()
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, tag: str = "", async_op: bool = False) -> Handle:
         """Concatenate every rank's `inp` (one shard) into `out`."""
@@ -63,7 +67,8 @@ class Communicator:
     def _issue(self, op: str, payload: torch.Tensor, tag: str, async_op: bool, **kw) -> Handle:
         self.ledger.append(LedgerEntry(op, str(payload.dtype).removeprefix("torch."),
                                        payload.numel() * payload.element_size(), self.world_size, tag))
-        handle = self._run(op, async_op=async_op, **kw)
+        with self.memory.category("buffers"):
+            handle = self._run(op, async_op=async_op, **kw)
         if not async_op:
             handle.wait()
         return handle
@@ -97,7 +102,22 @@ class DistCommunicator(Communicator):
 
 
 class RecordingCommunicator(Communicator):
-    """Records the collectives a step would issue; moves no data (for meta tensors)."""
+    """Records the collectives a step would issue; moves no data (for meta tensors).
 
-    def _run(self, op: str, async_op: bool, **kw) -> Handle:
+    `scratch` models what the target backend allocates while a collective runs, as a
+    fraction of the payload: gloo's reduce-scatter stages a full copy of its input
+    ({"reduce_scatter": 1.0}), NCCL allocates nothing through PyTorch. The scratch is
+    created and dropped inside the call, so a memory tracker sees the same transient.
+    """
+
+    def __init__(self, rank: int, world_size: int, ledger: Optional[Ledger] = None,
+                 scratch: Optional[dict[str, float]] = None):
+        super().__init__(rank, world_size, ledger)
+        self.scratch = scratch or {}
+
+    def _run(self, op: str, async_op: bool, out, inp=None, **kw) -> Handle:
+        factor = self.scratch.get(op, 0.0)
+        if factor:
+            payload = inp if op == "reduce_scatter" else out
+            torch.empty(int(payload.numel() * factor), dtype=payload.dtype, device=payload.device)
         return _Done()

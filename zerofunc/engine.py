@@ -23,9 +23,11 @@ import torch.nn as nn
 from torch.func import functional_call
 
 from zerofunc.comm import Communicator
+from zerofunc.layout import shard
 from zerofunc.optim import AdamWConfig, adamw_
 from zerofunc.stages import Stage
-from zerofunc.units import InitFn, Unit, materialize, owned_params, partition
+from sim.memory import NoMemoryTracking
+from zerofunc.units import PRECISIONS, InitFn, Unit, materialize, partition
 
 
 class _UnitBoundary(torch.autograd.Function):
@@ -73,16 +75,24 @@ class ZeroEngine:
     `model` may live on the meta device: only the shapes of its parameters are used.
     `unit_names` are the submodules gathered one at a time under stage 3; their
     parameters, and separately all the others, each form one flat unit.
+    `precision` is the dtype of parameters, gradients and collectives ("fp32", "bf16",
+    "fp16"); the optimizer always works on fp32 masters.
+    `memory` (a sim.memory.MemoryTracker) is told what each allocation is for.
     """
 
     def __init__(self, model: nn.Module, stage: Stage, comm: Communicator, optim: AdamWConfig,
                  device: torch.device | str = "cpu", init: Optional[InitFn] = None,
-                 unit_names: Optional[list[str]] = None):
+                 unit_names: Optional[list[str]] = None, precision: str = "fp32", memory=None):
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         self.model, self.stage, self.comm, self.optim = model, stage, comm, optim
         self.device = torch.device(device)
+        self.memory = memory if memory is not None else NoMemoryTracking()
+        comm.memory = self.memory  # the backend's scratch during collectives counts too
         if unit_names is None:
             unit_names = model.shard_units() if hasattr(model, "shard_units") else []
-        self.units = [materialize(name, module, named, comm.world_size, comm.rank, stage, self.device, init)
+        self.units = [materialize(name, module, named, comm.world_size, comm.rank, stage, self.device, init,
+                                  PRECISIONS[precision], self.memory)
                       for name, module, named in partition(model, unit_names)]
         self.numel = sum(u.numel for u in self.units)
         self.step_count = 0
@@ -103,16 +113,18 @@ class ZeroEngine:
         Under stage 3 a block's views can only be taken once it is gathered, so its
         forward pre-hook binds them; the root unit is gathered for the whole call.
         """
+        self.memory.mark("forward")
         eager = [self._root] if self.stage.shard_params else self.units
         views: dict[str, torch.Tensor] = {}
         for unit in eager:
             if unit is not None:
                 self._gather(unit, "params.fwd")
                 views.update(self._unit_views(unit))
-        if not self.stage.shard_params:
-            return functional_call(self.model, views, args, kwargs)
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            out = functional_call(self.model, views, args, kwargs)
+        with self.memory.category("activations"):
+            if not self.stage.shard_params:
+                return functional_call(self.model, views, args, kwargs)
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                out = functional_call(self.model, views, args, kwargs)
         if self._root is not None:
             self._release(self._root)
         return out
@@ -124,12 +136,14 @@ class ZeroEngine:
         if unit.gathered:
             return
         unit.full.untyped_storage().resize_(unit.full.numel() * unit.full.element_size())
+        self.memory.resized(unit.full)
         self.comm.all_gather(unit.full, unit.params, tag=tag)
         unit.gathered = True
 
     def _release(self, unit: Unit) -> None:
         if unit.gathered:
             unit.full.untyped_storage().resize_(0)
+            self.memory.resized(unit.full)
             unit.gathered = False
 
     def _gather_and_bind(self, unit: Unit):
@@ -157,42 +171,56 @@ class ZeroEngine:
 
     # ---- backward ----------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        self.memory.mark("backward")
+        with self.memory.category("activations"):
+            loss.backward()
 
     def _unit_backward(self, unit: Unit, grad: torch.Tensor) -> None:
         """The unit's full local gradient exists: reduce it as the stage says."""
         stage, comm = self.stage, self.comm
+        self.memory.track(grad, "buffers" if stage.shard_grads else "grads")  # kept, or only sent
         if not stage.shard_optimizer:
             comm.all_reduce(grad, tag="grads")
             unit.local_grad = unit.grad = grad
             return
-        unit.grad = torch.empty(unit.layout.shard_numel, device=grad.device, dtype=grad.dtype)
-        comm.reduce_scatter(unit.grad, grad, tag="grads")
-        if not stage.shard_grads:
-            unit.local_grad = grad  # ZeRO-1 keeps the full gradient; only the optimizer is sharded
+        with self.memory.category("grads" if stage.shard_grads else "buffers"):
+            reduced = torch.empty(unit.layout.shard_numel, device=grad.device, dtype=grad.dtype)
+        comm.reduce_scatter(reduced, grad, tag="grads")
+        if stage.shard_grads:
+            unit.grad = reduced
+        else:  # ZeRO-1 keeps the full gradient; its own slice now holds the reduced shard
+            unit.local_grad = grad
+            unit.grad = shard(grad, comm.rank, comm.world_size)
+            unit.grad.copy_(reduced)
         if stage.shard_params:
             self._release(unit)  # backward is done with this unit's weights
 
     # ---- optimizer ---------------------------------------------------------------
     @torch.no_grad()
     def step(self, lr: Optional[float] = None) -> None:
-        """AdamW on what this rank owns; then re-assemble whole parameters if the stage keeps them."""
+        """AdamW on the fp32 master of what this rank owns, then refresh the weights the forward uses."""
         self.step_count += 1
+        self.memory.mark("step")
         for unit in self.units:
             if unit.grad is None:
                 raise RuntimeError(f"unit {unit.name or '<root>'} has no gradient: call backward() before step()")
-            owned = owned_params(unit, self.comm.rank)
-            adamw_(owned, unit.grad, unit.m, unit.v, self.step_count, self.optim, lr=lr)
+            with self.memory.category("other"):
+                adamw_(unit.master, unit.grad.float(), unit.m, unit.v, self.step_count, self.optim, lr=lr)
             if self.stage.shard_optimizer and not self.stage.shard_params:
-                # A separate input: not every backend gathers from a slice of the output in place.
-                self.comm.all_gather(unit.params, owned.clone(), tag="params.step")
+                # Whole weights from every rank's shard. A fresh input even in fp32: not
+                # every backend gathers from a slice of its own output in place.
+                with self.memory.category("buffers"):
+                    send = unit.master.to(unit.params.dtype, copy=True)
+                self.comm.all_gather(unit.params, send, tag="params.step")
+            elif unit.master.dtype != unit.params.dtype:  # 16-bit stages 0 and 3: same span, new rounding
+                unit.params.copy_(unit.master)
             unit.grad = unit.local_grad = None
 
     # ---- export ------------------------------------------------------------------
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter, whole, on every rank (gathers under stage 3)."""
-        return self._unflatten(lambda u: u.params, sharded=self.stage.shard_params)
+        """Every parameter, whole and in fp32 (the masters), on every rank."""
+        return self._unflatten(lambda u: u.master, sharded=self.stage.shard_optimizer)
 
     @torch.no_grad()
     def full_gradients(self) -> dict[str, torch.Tensor]:

@@ -74,18 +74,21 @@ class FlatLayout:
         pieces = flat.split(sizes + [self.padded_numel - self.numel])
         return {s.name: p.view(s.shape) for s, p in zip(self.slots, pieces)}
 
-    def owned_pieces(self, rank: int) -> Iterator[tuple[Slot, int, int, int]]:
-        """For each parameter overlapping `rank`'s shard: (slot, lo, hi, at).
+    def pieces(self, start: int, stop: int) -> Iterator[tuple[Slot, int, int, int]]:
+        """For each parameter overlapping [start, stop) of the flat buffer: (slot, lo, hi, at).
 
-        Elements [lo, hi) of the flattened parameter belong to this rank and sit at
-        offset `at` of its shard. Used to materialize only what a rank owns.
+        Elements [lo, hi) of the flattened parameter fall in the range, at offset `at`
+        from `start`. Used to materialize only the part of the model a rank keeps.
         """
-        start, stop = self.shard_range(rank)
         for slot in self.slots:
             lo = max(start, slot.offset)
             hi = min(stop, slot.offset + slot.numel)
             if lo < hi:
                 yield slot, lo - slot.offset, hi - slot.offset, lo - start
+
+    def owned_pieces(self, rank: int) -> Iterator[tuple[Slot, int, int, int]]:
+        """`pieces` of `rank`'s shard."""
+        return self.pieces(*self.shard_range(rank))
 
 
 def shard(flat: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:

@@ -19,14 +19,19 @@ from zerofunc.stages import Stage
 InitFn = Callable[[str, tuple[int, ...]], torch.Tensor]
 
 
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 @dataclass(eq=False)
 class Unit:
     """One unit's state on one rank.
 
-    `params` holds the fp32 weights this rank keeps: the full padded buffer (stages
-    0-2) or the rank's shard (stage 3). `full` is what the forward takes views of: the
-    same buffer as `params` for stages 0-2, and for stage 3 a gather buffer whose
-    storage exists only while the unit is in use.
+    `params` holds the weights the forward uses, in the compute dtype: the full padded
+    buffer (stages 0-2) or the rank's shard (stage 3). `full` is what the forward takes
+    views of: `params` itself for stages 0-2, and for stage 3 a gather buffer whose
+    storage exists only while the unit is in use. `master` is the fp32 copy of what
+    this rank's optimizer updates (all of it for stage 0, its shard otherwise); in fp32
+    training it is `params` itself, or a view of it, so nothing is stored twice.
     """
 
     name: str
@@ -34,6 +39,7 @@ class Unit:
     layout: FlatLayout
     params: torch.Tensor
     full: torch.Tensor
+    master: torch.Tensor
     m: torch.Tensor
     v: torch.Tensor
     grad: Optional[torch.Tensor] = None        # what the optimizer consumes: full (stage 0) or shard
@@ -64,40 +70,42 @@ def partition(model: nn.Module, unit_names: list[str]) -> list[tuple[str, nn.Mod
     return [g for g in ordered if g[2]]
 
 
-def materialize(name: str, module: nn.Module, named: list, world_size: int, rank: int,
-                stage: Stage, device: torch.device, init: Optional[InitFn]) -> Unit:
+def materialize(name: str, module: nn.Module, named: list, world_size: int, rank: int, stage: Stage,
+                device: torch.device, init: Optional[InitFn], dtype: torch.dtype, memory) -> Unit:
     """Allocate one unit on `device` and fill only what this rank keeps.
 
-    With sharded parameters a rank initializes only its own slice: each parameter is
-    drawn whole (so its values do not depend on the world size) and all but the owned
-    elements are dropped at once, so no rank ever holds a whole unit, let alone the
-    model, in fp32. On the meta device nothing is initialized.
+    Each parameter is drawn whole from `init` (so its values do not depend on the
+    world size) and all but the elements this rank keeps are dropped at once: under
+    stage 3 no rank ever holds a whole unit, let alone the model, in fp32. The master
+    copy is filled from the fp32 values, not from their 16-bit rounding. On the meta
+    device nothing is initialized.
     """
     layout = FlatLayout.build([(n, p.shape) for n, p in named], world_size)
-    shard_params = stage.shard_params
-    size = layout.shard_numel if shard_params else layout.padded_numel
-    params = torch.zeros(size, device=device)
-    if init is not None and device.type != "meta":
-        if shard_params:
-            for slot, lo, hi, at in layout.owned_pieces(rank):
-                params[at:at + hi - lo] = init(slot.name, slot.shape).reshape(-1)[lo:hi].to(device)
-        else:
-            for slot in layout.slots:
-                params[slot.offset:slot.offset + slot.numel] = init(slot.name, slot.shape).reshape(-1).to(device)
-    if shard_params:
-        full = torch.empty(layout.padded_numel, device=device)
-        full.untyped_storage().resize_(0)
-        gathered = False
+    whole = (0, layout.padded_numel)
+    kept = layout.shard_range(rank) if stage.shard_params else whole
+    owned = layout.shard_range(rank) if stage.shard_optimizer else whole
+
+    def filled(span: tuple[int, int], dt: torch.dtype) -> torch.Tensor:
+        buf = torch.zeros(span[1] - span[0], device=device, dtype=dt)
+        if init is not None and device.type != "meta":
+            for slot, lo, hi, at in layout.pieces(*span):
+                buf[at:at + hi - lo] = init(slot.name, slot.shape).reshape(-1)[lo:hi].to(device, dt)
+        return buf
+
+    params = filled(kept, dtype)
+    memory.track(params, "params")
+    if dtype != torch.float32:
+        master = filled(owned, torch.float32)
+        memory.track(master, "optimizer")
     else:
-        full, gathered = params, True
-    opt_size = layout.shard_numel if stage.shard_optimizer else layout.padded_numel
-    return Unit(name, module, layout, params, full,
-                m=torch.zeros(opt_size, device=device), v=torch.zeros(opt_size, device=device),
-                gathered=gathered)
-
-
-def owned_params(unit: Unit, rank: int) -> torch.Tensor:
-    """The slice of the weights this rank's optimizer updates: as long as its m and v (a view)."""
-    if unit.params.numel() == unit.m.numel():
-        return unit.params
-    return shard(unit.params, rank, unit.layout.world_size)
+        master = params[owned[0] - kept[0]:owned[1] - kept[0]]
+    if stage.shard_params:
+        full = torch.empty(layout.padded_numel, device=device, dtype=dtype)
+        full.untyped_storage().resize_(0)
+        memory.track(full, "buffers")
+    else:
+        full = params
+    m, v = torch.zeros_like(master), torch.zeros_like(master)
+    memory.track(m, "optimizer")
+    memory.track(v, "optimizer")
+    return Unit(name, module, layout, params, full, master, m, v, gathered=not stage.shard_params)

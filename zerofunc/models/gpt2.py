@@ -137,7 +137,7 @@ class GPT(nn.Module):
         logits = F.linear(self.ln_f(x), self.wte.weight)
         if targets is None:
             return logits
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())  # the loss in fp32 whatever the compute dtype
 
     def shard_units(self) -> list[str]:
         """Submodules that stage 3 gathers one at a time: the transformer blocks."""

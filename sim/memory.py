@@ -1,0 +1,154 @@
+"""Live tensor bytes by category, with a timeline and a peak, on meta and real tensors alike.
+
+`MemoryTracker` is a `TorchDispatchMode`. While it is entered, every storage an op
+creates is counted under the current category and uncounted when the storage dies
+(a finalizer on the storage object, which PyTorch keeps alive exactly as long as the
+storage). Storage that exists before, or is allocated outside any op, is registered
+with `track`. A storage resized in place (`untyped_storage().resize_`, beneath the
+dispatcher) is re-measured with `resized`. On the meta device nothing is allocated,
+but storages still have sizes, so a simulated step is counted exactly like a real one.
+
+It counts tensor bytes, not allocator blocks: no caching-allocator rounding or
+fragmentation, and no workspace a kernel allocates internally.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers", "other")
+
+
+@dataclass
+class MemoryReport:
+    """What a tracker saw: per category its largest live value, and the peak of the total."""
+
+    max_by_category: dict[str, int]
+    peak: int
+    at_peak: dict[str, int]
+    timeline: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)  # (label, live per CATEGORIES)
+
+    @property
+    def model_states(self) -> int:
+        return sum(self.max_by_category[c] for c in ("params", "grads", "optimizer"))
+
+
+class MemoryTracker(TorchDispatchMode):
+    def __init__(self, keep_timeline: bool = False):
+        super().__init__()
+        self.live = dict.fromkeys(CATEGORIES, 0)
+        self.max = dict.fromkeys(CATEGORIES, 0)
+        self.peak = 0
+        self.at_peak = dict(self.live)
+        self.keep_timeline = keep_timeline
+        self.timeline: list[tuple[str, tuple[int, ...]]] = []
+        self._label = ""
+        self._category = ["other"]
+        self._storages: dict[int, list] = {}  # id(storage) -> [category, nbytes]
+
+    # ---- categories and registration --------------------------------------------------
+    @contextlib.contextmanager
+    def category(self, name: str) -> Iterator[None]:
+        """Count storages created inside the block under `name`."""
+        if name not in CATEGORIES:
+            raise ValueError(f"unknown memory category {name!r}")
+        self._category.append(name)
+        try:
+            yield
+        finally:
+            self._category.pop()
+
+    def mark(self, label: str) -> None:
+        """Label the timeline from here on (e.g. "forward", "backward", "step")."""
+        self._label = label
+        self._sample()
+
+    def track(self, tensor: torch.Tensor, category: str) -> None:
+        """Count `tensor`'s storage under `category`, moving it there if already counted."""
+        storage = tensor.untyped_storage()
+        entry = self._storages.get(id(storage))
+        if entry is None:
+            self._add(storage, category)
+        elif entry[0] != category:
+            self._change(entry, category, entry[1])
+
+    def resized(self, tensor: torch.Tensor) -> None:
+        """Re-measure `tensor`'s storage after an in-place resize."""
+        storage = tensor.untyped_storage()
+        entry = self._storages.get(id(storage))
+        if entry is not None:
+            self._change(entry, entry[0], storage.nbytes())
+
+    def report(self) -> MemoryReport:
+        return MemoryReport(dict(self.max), self.peak, dict(self.at_peak), list(self.timeline))
+
+    def reset_peak(self) -> None:
+        """Start a new measurement window from what is live now (e.g. at each training step)."""
+        self.max = dict(self.live)
+        self.peak = sum(self.live.values())
+        self.at_peak = dict(self.live)
+        self.timeline.clear()
+
+    # ---- the dispatch hook -------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in self._storages:
+                self._add(t.untyped_storage(), self._category[-1])
+        return out
+
+    # ---- bookkeeping ---------------------------------------------------------------------
+    def _add(self, storage, category: str) -> None:
+        key = id(storage)
+        entry = [category, storage.nbytes()]
+        self._storages[key] = entry
+        weakref.finalize(storage, self._free, key)
+        self.live[category] += entry[1]
+        self._changed()
+
+    def _free(self, key: int) -> None:
+        entry = self._storages.pop(key, None)
+        if entry is not None:
+            self.live[entry[0]] -= entry[1]
+            self._changed()
+
+    def _change(self, entry: list, category: str, nbytes: int) -> None:
+        self.live[entry[0]] -= entry[1]
+        entry[0], entry[1] = category, nbytes
+        self.live[category] += nbytes
+        self._changed()
+
+    def _changed(self) -> None:
+        for c, v in self.live.items():
+            if v > self.max[c]:
+                self.max[c] = v
+        total = sum(self.live.values())
+        if total > self.peak:
+            self.peak, self.at_peak = total, dict(self.live)
+        self._sample()
+
+    def _sample(self) -> None:
+        if self.keep_timeline:
+            self.timeline.append((self._label, tuple(self.live[c] for c in CATEGORIES)))
+
+
+class NoMemoryTracking:
+    """Stands in for a tracker when nothing is measured: every call does nothing."""
+
+    def category(self, name: str):
+        return contextlib.nullcontext()
+
+    def mark(self, label: str) -> None:
+        pass
+
+    def track(self, tensor: torch.Tensor, category: str) -> None:
+        pass
+
+    def resized(self, tensor: torch.Tensor) -> None:
+        pass

@@ -1,0 +1,54 @@
+"""Compute time from the ops a step runs: a roofline per op.
+
+`Roofline` is a dispatch mode. For each op it takes the FLOPs from torch's own
+formulas (torch.utils.flop_counter) and the bytes it reads and writes (its tensor
+inputs and outputs; views move nothing), and charges
+max(FLOPs / peak rate for the op's dtype, bytes / memory bandwidth).
+The sum is the step's compute time on a device with those rates, if nothing overlaps.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
+
+_aten = torch.ops.aten
+# The CPU flash kernel has no formula of its own; its leading arguments match CUDA flash's.
+_FORWARD_ALIAS = {_aten._scaled_dot_product_flash_attention_for_cpu: _aten._scaled_dot_product_flash_attention}
+_BACKWARD_CPU = _aten._scaled_dot_product_flash_attention_for_cpu_backward
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def op_flops(func, args, kwargs, out) -> int:
+    packet = func._overloadpacket
+    if packet is _BACKWARD_CPU:
+        grad_out, q, k, v, o, lse = args[:6]
+        return flop_registry[_aten._scaled_dot_product_flash_attention_backward](
+            grad_out, q, k, v, o, lse, None, None, None, None, out_val=out)
+    packet = _FORWARD_ALIAS.get(packet, packet)
+    formula = flop_registry.get(packet)
+    return int(formula(*args, **(kwargs or {}), out_val=out)) if formula is not None else 0
+
+
+class Roofline(TorchDispatchMode):
+    def __init__(self, flops_per_s: dict[str, float], bytes_per_s: float):
+        super().__init__()
+        self.flops_per_s, self.bytes_per_s = flops_per_s, bytes_per_s
+        self.flops = 0
+        self.bytes = 0
+        self.time_s = 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.is_view:
+            return out
+        flops = op_flops(func, args, kwargs, out)
+        tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        moved = sum(t.numel() * t.element_size() for t in tensors)
+        dtype = next((t.dtype for t in tree_leaves(out) if isinstance(t, torch.Tensor)), torch.float32)
+        rate = self.flops_per_s.get(DTYPE_NAMES.get(dtype, "fp32"), self.flops_per_s["fp32"])
+        self.flops += flops
+        self.bytes += moved
+        self.time_s += max(flops / rate, moved / self.bytes_per_s)
+        return out

@@ -1,0 +1,167 @@
+"""The planner predicts what the trainer does: same collectives, same bytes, same memory."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from sim.memory import MemoryTracker
+from tests.worlds import IN_RANK, agreed_max, global_batches, in_world, small_cases
+from train.cli import main as train_main
+from zerofunc.comm import DistCommunicator
+from zerofunc.engine import ZeroEngine
+from zerofunc.models import GPT
+from zerofunc.optim import AdamWConfig
+from zerofunc.plan import Plan, simulate
+from zerofunc.plan.__main__ import main as plan_main
+from zerofunc.stages import STAGES
+from zerofunc.step import train_step
+
+STATES = ("params", "grads", "optimizer")
+
+
+def executed_step(case, stage):
+    """One real train_step on this rank, watched by the same tracker the planner uses."""
+    comm = DistCommunicator()
+    tracker = MemoryTracker()
+    with torch.device("meta"):
+        model = GPT(case.cfg)
+    engine = ZeroEngine(model, STAGES[stage], comm, AdamWConfig(), memory=tracker,
+                        init=lambda n, s: model.init_param(n, s, case.seed))
+    mb = case.micro_batch
+    x, y, _ = (t[comm.rank * mb:(comm.rank + 1) * mb] for t in global_batches(case, comm.world_size, 1)[0])
+    with tracker:
+        train_step(engine, x, y)
+    return comm.ledger.entries, tracker.report()
+
+
+def check_simulation_matches_execution(max_examples):
+    world = torch.distributed.get_world_size()
+
+    @settings(IN_RANK, max_examples=max_examples)
+    @given(case=small_cases())
+    def prop(case):
+        case = replace(case, cfg=replace(case.cfg, dropout=0.0))
+        for stage in STAGES:
+            executed, measured = executed_step(case, stage)
+            sim = simulate(Plan(world_size=world, stage=stage, model=case.cfg, precision="fp32",
+                                micro_batch=case.micro_batch, seq=case.seq, hardware="cpu-gloo"))
+            assert agreed_max(float(sim.ledger != executed)) == 0, f"stage {stage}: simulated ledger differs"
+            for c in STATES:
+                err = abs(sim.memory.max_by_category[c] - measured.max_by_category[c]) / measured.max_by_category[c]
+                assert agreed_max(err) <= 0.01, f"stage {stage}: {c} simulated off by {err:.1%}"
+            err = abs(sim.memory.peak - measured.peak) / measured.peak
+            assert agreed_max(err) <= 0.05, f"stage {stage}: peak simulated off by {err:.1%}"
+
+    prop()
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_simulated_step_is_the_executed_step(world_size):
+    assert all(in_world(world_size, check_simulation_matches_execution, 3))
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 10**7), world=st.integers(1, 1024), stage=st.sampled_from([0, 1, 2, 3]),
+       precision=st.sampled_from(["fp32", "bf16", "fp16"]))
+def test_params_only_plan_is_the_closed_form(n, world, stage, precision):
+    """--params: bytes per parameter 2+2+12 in mixed precision, 4+4+8 in fp32, sharded as the stage says."""
+    sim = simulate(Plan(world_size=world, stage=stage, model=None, params=n, precision=precision))
+    padded = -(-n // world) * world  # the flat buffer, padded to split evenly
+    shard = padded // world
+    weight, opt = (4, 8) if precision == "fp32" else (2, 12)
+    expected = {"params": weight * (shard if stage >= 3 else padded),
+                "grads": weight * (shard if stage >= 2 else padded),
+                "optimizer": opt * (shard if stage >= 1 else padded)}
+    assert {c: sim.memory.max_by_category[c] for c in STATES} == expected
+
+
+@pytest.mark.parametrize("stage, per_param", [(0, lambda n: 16), (1, lambda n: 4 + 12 / n),
+                                              (2, lambda n: 2 + 14 / n), (3, lambda n: 16 / n)])
+def test_params_only_plan_matches_the_paper(stage, per_param):
+    """DESIGN.md's formulas in Ψ, for a large Ψ where padding is negligible."""
+    for world in (1, 8, 64):
+        psi = 10**9
+        sim = simulate(Plan(world_size=world, stage=stage, model=None, params=psi, precision="bf16"))
+        assert sim.memory.model_states == pytest.approx(per_param(world) * psi, rel=1e-6)
+        factor = 3 if stage == 3 else 2
+        zero_traffic = sum(e.volume_bytes for e in sim.ledger if e.tag != "metrics")  # not the logged loss
+        assert zero_traffic == pytest.approx(factor * 2 * psi, rel=1e-6)
+
+
+def run_plan(capsys, *argv):
+    code = plan_main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_plan_json_schema_and_recommendation(capsys):
+    code, out, _ = run_plan(capsys, "--model", "gpt2-tiny", "--world-size", "2", "--seq", "64", "--json",
+                            "--gpu-memory", "0.01")
+    assert code == 0
+    doc = json.loads(out)
+    assert [s["stage"] for s in doc["stages"]] == [0, 1, 2, 3]
+    for s in doc["stages"]:
+        m = s["memory_bytes"]
+        assert m["model_states"] == m["params"] + m["grads"] + m["optimizer"]
+        assert m["peak"] >= max(m.values()) - m["model_states"] + 0 and m["peak"] >= m["model_states"]
+        assert s["fits"] == (m["peak"] <= doc["capacity_bytes"])
+        assert s["comm"]["volume_bytes"] > 0
+    fitting = [s for s in doc["stages"] if s["fits"]]
+    if fitting:
+        best = min(fitting, key=lambda s: (s["step_time_s"], s["memory_bytes"]["peak"]))
+        assert doc["recommended_stage"] == best["stage"]
+    else:
+        assert doc["recommended_stage"] is None
+    # The largest micro-batch that fits really fits, and one more does not.
+    for s in doc["stages"]:
+        mb = s["max_micro_batch"]
+        if mb:
+            plan = Plan(world_size=2, stage=s["stage"], model="gpt2-tiny", seq=64, micro_batch=mb)
+            assert simulate(plan).memory.peak <= doc["capacity_bytes"] < simulate(replace(plan, micro_batch=mb + 1)).memory.peak
+
+
+def test_plan_table_and_plot(capsys, tmp_path):
+    png = tmp_path / "timeline.png"
+    code, out, _ = run_plan(capsys, "--model", "gpt2-tiny", "--world-size", "4", "--stage", "1", "--stage", "3",
+                            "--seq", "32", "--plot", str(png))
+    assert code == 0
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert [r[0] for r in rows] == ["1", "3"] and "recommended: stage" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "gpt5", "--world-size", "2"], "unknown model 'gpt5'"),
+    (["--world-size", "0"], "world size must be at least 1"),
+    (["--world-size", "2", "--seq", "2048"], "does not fit the model's context of 1024"),
+    (["--world-size", "2", "--gpu-memory", "-3"], "--gpu-memory must be positive"),
+    (["--world-size", "2", "--stage", "5"], "stage must be one of 0, 1, 2, 3"),
+    (["--world-size", "2", "--precision", "fp8"], "precision must be one of"),
+    (["--world-size", "2", "--hardware", "tpu"], "unknown hardware 'tpu'"),
+    (["--world-size", "2", "--params", "0"], "--params must be at least 1"),
+])
+def test_plan_bad_input(capsys, tmp_path, argv, message):
+    png = tmp_path / "never.png"
+    code, out, err = run_plan(capsys, *argv, "--plot", str(png))
+    assert code == 2 and out == "" and not png.exists()
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_trainer_reports_what_the_planner_predicts(capsys, tmp_path, stage):
+    out = tmp_path / "run"
+    assert train_main(["--model", "gpt2-tiny", "--stage", str(stage), "--nproc", "2", "--steps", "2",
+                       "--micro-batch", "2", "--seq", "32", "--out", str(out), "--device", "cpu"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    code, doc, _ = run_plan(capsys, "--model", "gpt2-tiny", "--world-size", "2", "--stage", str(stage),
+                            "--micro-batch", "2", "--seq", "32", "--precision", "fp32", "--hardware", "cpu-gloo",
+                            "--json")
+    planned = json.loads(doc)["stages"][0]
+    for row in rows:
+        assert row["comm_volume_bytes"] == planned["comm"]["volume_bytes"]
+        assert abs(row["peak_bytes"] - planned["memory_bytes"]["peak"]) <= 0.05 * row["peak_bytes"]

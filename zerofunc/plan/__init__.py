@@ -1,0 +1,195 @@
+"""Plans, and their simulation: the real training step of a stage, run on meta tensors.
+
+`simulate(plan)` builds the same `ZeroEngine` the trainer builds, on the meta device
+with a recording communicator, and runs the same `train_step`. Instruments watch it:
+a memory tracker (bytes by category), a roofline (compute time), the ledger and the
+alpha-beta model (communication time). Nothing here restates ZeRO's formulas; the
+planner reports what the step code does.
+
+The view taken is rank 0's. Every unit is padded so all ranks hold shards of equal
+size, so rank 0 is also the worst rank.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from sim.attention import TargetAttention
+from sim.cost import ledger_time
+from sim.hardware import Profile, get_profile
+from sim.ledger import LedgerEntry
+from sim.memory import MemoryReport, MemoryTracker
+from sim.roofline import Roofline
+from zerofunc.comm import RecordingCommunicator
+from zerofunc.engine import ZeroEngine
+from zerofunc.models import GPT, MODELS, GPTConfig, model_config
+from zerofunc.optim import AdamWConfig
+from zerofunc.stages import get_stage
+from zerofunc.step import train_step
+from zerofunc.units import PRECISIONS
+
+MAX_MICRO_BATCH = 1 << 16
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to simulate. Give `model` (a name in MODELS, or a GPTConfig), or `params` for model states only."""
+
+    world_size: int
+    stage: int
+    model: Optional[str | GPTConfig] = "gpt2-small"
+    params: Optional[int] = None
+    precision: str = "bf16"
+    micro_batch: int = 1
+    seq: Optional[int] = None  # default: the model's context
+    hardware: str = "h100-sxm"
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world size must be at least 1, got {self.world_size}")
+        get_stage(self.stage)
+        get_profile(self.hardware)
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.params is not None:
+            if self.params < 1:
+                raise ValueError(f"--params must be at least 1, got {self.params}")
+            return
+        if not isinstance(self.model, GPTConfig) and self.model not in MODELS:
+            raise ValueError(f"unknown model {self.model!r}; choose one of {', '.join(MODELS)}")
+        if self.micro_batch < 1:
+            raise ValueError(f"micro-batch must be at least 1, got {self.micro_batch}")
+        context = self.config.block_size
+        if self.seq is not None and not 1 <= self.seq <= context:
+            raise ValueError(f"a sequence of {self.seq} tokens does not fit the model's context of {context}")
+
+    @property
+    def config(self) -> GPTConfig:
+        return self.model if isinstance(self.model, GPTConfig) else model_config(self.model)
+
+    @property
+    def tokens(self) -> int:
+        """Sequence length actually used."""
+        return self.seq if self.seq is not None else self.config.block_size
+
+    @property
+    def profile(self) -> Profile:
+        return get_profile(self.hardware)
+
+
+@dataclass
+class Simulation:
+    plan: Plan
+    numel: int                 # parameters, Ψ
+    memory: MemoryReport
+    ledger: list[LedgerEntry]
+    flops: int                 # this rank's, one step
+    compute_s: float
+    comm_s: float
+
+    @property
+    def step_s(self) -> float:
+        """Compute plus communication, with no overlap between them."""
+        return self.compute_s + self.comm_s
+
+    @property
+    def volume_bytes(self) -> int:
+        return sum(e.volume_bytes for e in self.ledger)
+
+    def fits(self, capacity: int) -> bool:
+        return self.memory.peak <= capacity
+
+
+class _ReadsWeightInBackward(torch.autograd.Function):
+    """sum(w), but its backward reads w, as every real layer's backward reads its weights."""
+
+    @staticmethod
+    def forward(ctx, w):
+        ctx.save_for_backward(w)
+        return w.sum(dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (w,) = ctx.saved_tensors
+        return grad.to(w.dtype).expand_as(w)
+
+
+class ParamsOnly(nn.Module):
+    """N parameters and no architecture: a step whose only memory is model states."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n))
+
+    def forward(self) -> torch.Tensor:
+        return _ReadsWeightInBackward.apply(self.weight)
+
+
+def simulate(plan: Plan, timeline: bool = False, timing: bool = True) -> Simulation:
+    """Run one training step of `plan` on meta tensors and measure it.
+
+    `timing=False` skips the roofline (compute time and FLOPs are then 0) for a
+    simulation that only needs memory.
+    """
+    profile = plan.profile
+    comm = RecordingCommunicator(0, plan.world_size, scratch=profile.collective_scratch)
+    tracker = MemoryTracker(keep_timeline=timeline)
+    with torch.device("meta"):
+        model = GPT(plan.config) if plan.params is None else ParamsOnly(plan.params)
+    engine = ZeroEngine(model, get_stage(plan.stage), comm, AdamWConfig(), device="meta",
+                        precision=plan.precision, memory=tracker)
+    batch = () if plan.params is not None else _meta_batch(plan)
+    roofline = Roofline({k: v * profile.compute_efficiency for k, v in profile.flops.items()},
+                        profile.memory_bandwidth)
+    with tracker, roofline if timing else contextlib.nullcontext(), TargetAttention(profile.attention):
+        train_step(engine, *batch)
+    ledger = list(comm.ledger)
+    return Simulation(plan, engine.numel, tracker.report(), ledger, roofline.flops, roofline.time_s,
+                      ledger_time(ledger, profile.link(plan.world_size)))
+
+
+def _meta_batch(plan: Plan) -> tuple[torch.Tensor, ...]:
+    shape = (plan.micro_batch, plan.tokens)
+    return (torch.zeros(shape, dtype=torch.long, device="meta"), torch.zeros(shape, dtype=torch.long, device="meta"))
+
+
+@dataclass(frozen=True)
+class MemoryLines:
+    """Live bytes at every event of a step as a line in the micro-batch: a + b * micro_batch.
+
+    Exact, not fitted: a step runs the same ops in the same order at any micro-batch,
+    and every tensor's size is either fixed or proportional to it. Two simulations
+    (micro-batch 1 and 2) therefore give every event's line.
+    """
+
+    fixed: tuple[int, ...]
+    per_sample: tuple[int, ...]
+
+    @classmethod
+    def of(cls, one: Simulation, two: Simulation) -> "MemoryLines":
+        t1 = [sum(v) for _, v in one.memory.timeline]
+        t2 = [sum(v) for _, v in two.memory.timeline]
+        if len(t1) != len(t2):
+            raise RuntimeError("the step's events differ between micro-batches 1 and 2; cannot extrapolate")
+        return cls(tuple(2 * a - b for a, b in zip(t1, t2)), tuple(b - a for a, b in zip(t1, t2)))
+
+    def peak(self, micro_batch: int) -> int:
+        return max(a + b * micro_batch for a, b in zip(self.fixed, self.per_sample))
+
+    def max_micro_batch(self, capacity: int) -> int:
+        """The largest micro-batch whose peak fits `capacity` bytes (0 if none does)."""
+        if self.peak(1) > capacity:
+            return 0
+        limits = [(capacity - a) // b for a, b in zip(self.fixed, self.per_sample) if b > 0]
+        return min([MAX_MICRO_BATCH, *limits])
+
+
+def memory_lines(plan: Plan) -> tuple[MemoryLines, dict[int, Simulation]]:
+    """The plan's memory lines, and the two simulations (keyed by micro-batch) they came from."""
+    sims = {mb: simulate(replace(plan, micro_batch=mb), timeline=True, timing=(mb == plan.micro_batch))
+            for mb in (1, 2)}
+    return MemoryLines.of(sims[1], sims[2]), sims

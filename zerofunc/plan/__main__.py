@@ -1,0 +1,66 @@
+"""python -m zerofunc.plan: which ZeRO stage fits, and what a step costs, before renting a GPU.
+
+Bad input prints one line, "error: ...", and exits with 2; nothing is written.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+
+from sim.hardware import profiles
+from zerofunc.models import MODELS
+from zerofunc.plan import Plan
+from zerofunc.plan.report import GiB, as_json, as_table, plot, report_stages
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m zerofunc.plan",
+                                description="Simulate each ZeRO stage's per-rank memory and communication.")
+    p.add_argument("--model", default="gpt2-small", help=f"one of {', '.join(MODELS)}")
+    p.add_argument("--params", type=int, default=None,
+                   help="plan a model of N parameters with no architecture (model states only)")
+    p.add_argument("--world-size", type=int, required=True, help="data-parallel ranks")
+    p.add_argument("--stage", type=int, action="append", default=None,
+                   help="a ZeRO stage to plan (repeatable; default: all four)")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per rank")
+    p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's context)")
+    p.add_argument("--precision", default="bf16", help="fp32, bf16 or fp16")
+    p.add_argument("--hardware", default="h100-sxm", help=f"one of {', '.join(profiles())}")
+    p.add_argument("--gpu-memory", type=float, default=None,
+                   help="usable memory per rank in GiB (default: the hardware's, less its reserve)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--plot", metavar="FILE.png", default=None, help="draw each stage's memory timeline")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    try:
+        if a.gpu_memory is not None and not a.gpu_memory > 0:
+            raise ValueError(f"--gpu-memory must be positive, got {a.gpu_memory}")
+        if a.plot is not None and not a.plot.lower().endswith(".png"):
+            raise ValueError(f"--plot writes a PNG; give a file name ending in .png, not {a.plot!r}")
+        stages = sorted(set(a.stage)) if a.stage else [0, 1, 2, 3]
+        base = Plan(world_size=a.world_size, stage=stages[0], model=None if a.params is not None else a.model,
+                    params=a.params, precision=a.precision, micro_batch=a.micro_batch, seq=a.seq,
+                    hardware=a.hardware)
+        plans = [replace(base, stage=s) for s in stages]  # each validates its stage
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    capacity = int(a.gpu_memory * GiB) if a.gpu_memory is not None else base.profile.usable_bytes
+    reports = report_stages(plans, capacity, timeline=a.plot is not None)
+    if a.plot is not None:
+        try:
+            plot(reports, a.plot)
+        except OSError as e:
+            print(f"error: cannot write {a.plot}: {e.strerror}", file=sys.stderr)
+            return 2
+    print(json.dumps(as_json(base, reports, capacity), indent=2) if a.json else as_table(base, reports, capacity))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""What python -m zerofunc.plan reports: one row per stage, as a table, JSON or a plot."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from typing import Optional
+
+from sim.memory import CATEGORIES
+from zerofunc.plan import Plan, Simulation, memory_lines, simulate
+
+GiB = 2**30
+
+
+@dataclass
+class StageReport:
+    sim: Simulation
+    capacity: int
+    max_micro_batch: Optional[int]  # None when the plan has no architecture (--params)
+
+    @property
+    def fits(self) -> bool:
+        return self.sim.fits(self.capacity)
+
+    def as_json(self) -> dict:
+        m = self.sim.memory
+        cats = m.max_by_category
+        return {
+            "stage": self.sim.plan.stage,
+            "memory_bytes": {**{c: cats[c] for c in ("params", "grads", "optimizer")},
+                             "model_states": m.model_states,
+                             **{c: cats[c] for c in ("activations", "buffers", "other")},
+                             "peak": m.peak},
+            "comm": {"volume_bytes": self.sim.volume_bytes, "collectives": len(self.sim.ledger),
+                     "time_s": self.sim.comm_s},
+            "compute": {"flops": self.sim.flops, "time_s": self.sim.compute_s},
+            "step_time_s": self.sim.step_s,
+            "fits": self.fits,
+            "max_micro_batch": self.max_micro_batch,
+        }
+
+
+def report_stage(plan: Plan, capacity: int, timeline: bool = False) -> StageReport:
+    """Simulate `plan`, and (for a model) find the largest micro-batch that fits `capacity`."""
+    if plan.params is not None:
+        return StageReport(simulate(plan, timeline=timeline), capacity, None)
+    lines, sims = memory_lines(plan)
+    sim = sims[plan.micro_batch] if plan.micro_batch in (1, 2) else simulate(plan, timeline=timeline)
+    return StageReport(sim, capacity, lines.max_micro_batch(capacity))
+
+
+def recommend(reports: list[StageReport]) -> Optional[StageReport]:
+    """The fastest estimated step that fits; ties go to the lower peak memory."""
+    fitting = [r for r in reports if r.fits]
+    return min(fitting, key=lambda r: (round(r.sim.step_s, 9), r.sim.memory.peak), default=None)
+
+
+def as_json(plan: Plan, reports: list[StageReport], capacity: int) -> dict:
+    best = recommend(reports)
+    return {
+        "model": plan.model if plan.params is None else None,
+        "params": reports[0].sim.numel,
+        "world_size": plan.world_size,
+        "precision": plan.precision,
+        "micro_batch": plan.micro_batch if plan.params is None else None,
+        "seq": plan.tokens if plan.params is None else None,
+        "hardware": plan.hardware,
+        "capacity_bytes": capacity,
+        "stages": [r.as_json() for r in reports],
+        "recommended_stage": best.sim.plan.stage if best else None,
+    }
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f}"
+
+
+def _time(s: float) -> str:
+    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def as_table(plan: Plan, reports: list[StageReport], capacity: int) -> str:
+    numel = reports[0].sim.numel
+    if plan.params is None:
+        what = f"{plan.model} ({numel:,} parameters), micro-batch {plan.micro_batch} x {plan.tokens} tokens"
+    else:
+        what = f"{numel:,} parameters, model states only"
+    head = f"{what}, {plan.world_size} ranks, {plan.precision}, {plan.hardware} ({_gib(capacity)} GiB usable per rank)"
+    cols = ["stage", "params", "grads", "optim", "activ", "buffers", "peak GiB", "comm/step GiB", "comm time",
+            "step time", "fits", "max mb"]
+    rows = []
+    for r in reports:
+        m = r.sim.memory.max_by_category
+        rows.append([str(r.sim.plan.stage), _gib(m["params"]), _gib(m["grads"]), _gib(m["optimizer"]),
+                     _gib(m["activations"]), _gib(m["buffers"]), _gib(r.sim.memory.peak),
+                     _gib(r.sim.volume_bytes), _time(r.sim.comm_s), _time(r.sim.step_s),
+                     "yes" if r.fits else "NO", "-" if r.max_micro_batch is None else str(r.max_micro_batch)])
+    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
+    line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))
+    best = recommend(reports)
+    verdict = (f"recommended: stage {best.sim.plan.stage} (fastest estimated step that fits)" if best
+               else "nothing fits: add ranks, lower the micro-batch or sequence, or use a larger device")
+    note = ("memory per rank in GiB; comm/step counts an all-reduce of S bytes as 2S and an all-gather or "
+            "reduce-scatter as S; step time = compute (roofline) + communication (ring alpha-beta), not overlapped")
+    return "\n".join([head, "", line(cols), *(line(row) for row in rows), "", verdict, note])
+
+
+def plot(reports: list[StageReport], path: str) -> None:
+    """Each stage's memory timeline, categories stacked, one panel per stage."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(reports), 1, figsize=(10, 2.6 * len(reports)), sharex=False, squeeze=False)
+    for ax, r in zip(axes[:, 0], reports):
+        timeline = r.sim.memory.timeline
+        series = [[v[i] / GiB for _, v in timeline] for i in range(len(CATEGORIES))]
+        ax.stackplot(range(len(timeline)), *series, labels=CATEGORIES)
+        ax.axhline(r.capacity / GiB, color="black", linestyle="--", linewidth=1, label="usable memory")
+        for i, (label, _) in enumerate(timeline):
+            if i == 0 or label != timeline[i - 1][0]:
+                ax.axvline(i, color="grey", linewidth=0.5)
+                ax.text(i, ax.get_ylim()[1] * 0.92, f" {label}", fontsize=7, color="grey", va="top")
+        ax.set_ylabel("GiB per rank")
+        ax.set_title(f"stage {r.sim.plan.stage}: peak {r.sim.memory.peak / GiB:.2f} GiB", fontsize=9, loc="left")
+    axes[0, 0].legend(loc="upper right", fontsize=7, ncol=4)
+    axes[-1, 0].set_xlabel("allocation events in one training step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report_stages(plans: list[Plan], capacity: int, timeline: bool = False) -> list[StageReport]:
+    """`report_stage` for each plan, spread over the machine's cores (the stages are independent)."""
+    workers = min(len(plans), os.cpu_count() or 1)
+    if workers <= 1:
+        return [report_stage(p, capacity, timeline) for p in plans]
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        return list(pool.map(report_stage, plans, [capacity] * len(plans), [timeline] * len(plans)))
