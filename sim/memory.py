@@ -51,6 +51,7 @@ class MemoryTracker(TorchDispatchMode):
         self._label = ""
         self._category = ["other"]
         self._storages: dict[int, list] = {}  # id(storage) -> [category, nbytes]
+        self._scratch: list[list[int]] = []   # storages created inside each open scratch() block
 
     # ---- categories and registration --------------------------------------------------
     @contextlib.contextmanager
@@ -63,6 +64,25 @@ class MemoryTracker(TorchDispatchMode):
             yield
         finally:
             self._category.pop()
+
+    @contextlib.contextmanager
+    def scratch(self) -> Iterator[None]:
+        """Count storages created inside the block as "buffers" until the block ends.
+
+        For a collective's backend scratch: gloo frees its staging copy when its worker
+        thread drops the finished work, a moment after the caller has moved on, so the
+        storage's own death would land at a different point in every run. The scratch is
+        counted for exactly the duration of the call instead, as a simulation counts it.
+        """
+        created: list[int] = []
+        self._scratch.append(created)
+        try:
+            with self.category("buffers"):
+                yield
+        finally:
+            self._scratch.pop()
+            for key in created:
+                self._free(key)
 
     def mark(self, label: str) -> None:
         """Label the timeline from here on (e.g. "forward", "backward", "step")."""
@@ -108,6 +128,8 @@ class MemoryTracker(TorchDispatchMode):
         key = id(storage)
         entry = [category, storage.nbytes()]
         self._storages[key] = entry
+        if self._scratch:
+            self._scratch[-1].append(key)
         weakref.finalize(storage, self._free, key)
         self.live[category] += entry[1]
         self._changed()
@@ -142,6 +164,9 @@ class NoMemoryTracking:
     """Stands in for a tracker when nothing is measured: every call does nothing."""
 
     def category(self, name: str):
+        return contextlib.nullcontext()
+
+    def scratch(self):
         return contextlib.nullcontext()
 
     def mark(self, label: str) -> None:

@@ -51,10 +51,11 @@ def check_simulation_matches_execution(max_examples):
                                 micro_batch=case.micro_batch, seq=case.seq, hardware="cpu-gloo"))
             assert agreed_max(float(sim.ledger != executed)) == 0, f"stage {stage}: simulated ledger differs"
             for c in STATES:
-                err = abs(sim.memory.max_by_category[c] - measured.max_by_category[c]) / measured.max_by_category[c]
-                assert agreed_max(err) <= 0.01, f"stage {stage}: {c} simulated off by {err:.1%}"
-            err = abs(sim.memory.peak - measured.peak) / measured.peak
-            assert agreed_max(err) <= 0.05, f"stage {stage}: peak simulated off by {err:.1%}"
+                err = agreed_max(abs(sim.memory.max_by_category[c] - measured.max_by_category[c])
+                                 / measured.max_by_category[c])
+                assert err <= 0.01, f"stage {stage}: {c} simulated off by {err:.1%} on some rank"
+            err = agreed_max(abs(sim.memory.peak - measured.peak) / measured.peak)
+            assert err <= 0.05, f"stage {stage}: peak simulated off by {err:.1%} on some rank"
 
     prop()
     return True

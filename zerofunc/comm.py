@@ -36,7 +36,8 @@ class Communicator:
 
     `mean=True` averages instead of summing, which is how gradients are reduced.
     Whatever a backend allocates while a collective runs is counted in `memory`
-    (a sim.memory.MemoryTracker, set by the engine) as communication buffers.
+    (a sim.memory.MemoryTracker, set by the engine) as communication buffers, for the
+    duration of the call.
     """
 
     def __init__(self, rank: int, world_size: int, ledger: Optional[Ledger] = None):
@@ -67,7 +68,7 @@ class Communicator:
     def _issue(self, op: str, payload: torch.Tensor, tag: str, async_op: bool, **kw) -> Handle:
         self.ledger.append(LedgerEntry(op, str(payload.dtype).removeprefix("torch."),
                                        payload.numel() * payload.element_size(), self.world_size, tag))
-        with self.memory.category("buffers"):
+        with self.memory.scratch():  # what the backend allocates in the call, for the call
             handle = self._run(op, async_op=async_op, **kw)
         if not async_op:
             handle.wait()
