@@ -100,26 +100,26 @@ class ZeroEngine:
         self._by_buffer = {id(u.full): u for u in self.units}
         self._root = next((u for u in self.units if u.name == ""), None)  # parameters outside any block
         self._blocks = [u for u in self.units if u.name != ""]
-        if stage.shard_params:
-            for unit in self._blocks:
-                unit.module.register_forward_pre_hook(self._gather_and_bind(unit))
-                unit.module.register_forward_hook(self._unbind_and_release(unit))
+        for unit in self._blocks:
+            unit.module.register_forward_pre_hook(self._gather_and_bind(unit))
+            unit.module.register_forward_hook(self._unbind_and_release(unit))
 
     # ---- forward -----------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         """Run the model's forward on this rank's batch, with the units' weights.
 
         Weights enter as views of each unit's buffer, passed through `_UnitBoundary`.
-        Under stage 3 a block's views can only be taken once it is gathered, so its
-        forward pre-hook binds them; the root unit is gathered for the whole call.
+        A block's views are bound by its forward pre-hook, just before it runs (under
+        stage 3, just after it is gathered). That also orders backward: autograd runs
+        the newest ready node first, so a boundary made just before its block fires as
+        soon as that block's backward is done, not after the whole backward. The root
+        unit is bound (and under stage 3 gathered) for the whole call.
         """
         self.memory.mark("forward")
-        eager = [self._root] if self.stage.shard_params else self.units
         views: dict[str, torch.Tensor] = {}
-        for unit in eager:
-            if unit is not None:
-                self._gather(unit, "params.fwd")
-                views.update(self._unit_views(unit))
+        if self._root is not None:
+            self._gather(self._root, "params.fwd")
+            views = self._unit_views(self._root)
         with self.memory.category("activations"):
             if not self.stage.shard_params:
                 return functional_call(self.model, views, args, kwargs)
@@ -141,7 +141,7 @@ class ZeroEngine:
         unit.gathered = True
 
     def _release(self, unit: Unit) -> None:
-        if unit.gathered:
+        if unit.gathered and self.stage.shard_params:
             unit.full.untyped_storage().resize_(0)
             self.memory.resized(unit.full)
             unit.gathered = False

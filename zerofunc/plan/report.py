@@ -107,23 +107,32 @@ def as_table(plan: Plan, reports: list[StageReport], capacity: int) -> str:
 
 
 def plot(reports: list[StageReport], path: str) -> None:
-    """Each stage's memory timeline, categories stacked, one panel per stage."""
+    """Each stage's memory timeline during one step, categories stacked, one panel per stage.
+
+    Panels share one scale, so stages compare at a glance; the usable memory is drawn
+    only when it is on that scale, and named in the title otherwise.
+    """
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(reports), 1, figsize=(10, 2.6 * len(reports)), sharex=False, squeeze=False)
+    top = 1.15 * max(r.sim.memory.peak for r in reports) / GiB
+    fig, axes = plt.subplots(len(reports), 1, figsize=(10, 2.4 * len(reports)), sharey=True, squeeze=False)
     for ax, r in zip(axes[:, 0], reports):
-        timeline = r.sim.memory.timeline
+        timeline = [(label, v) for label, v in r.sim.memory.timeline if label]  # the step, not the set-up
         series = [[v[i] / GiB for _, v in timeline] for i in range(len(CATEGORIES))]
         ax.stackplot(range(len(timeline)), *series, labels=CATEGORIES)
-        ax.axhline(r.capacity / GiB, color="black", linestyle="--", linewidth=1, label="usable memory")
+        ax.set_ylim(0, top)
+        capacity = r.capacity / GiB
+        if capacity <= top:
+            ax.axhline(capacity, color="black", linestyle="--", linewidth=1, label="usable memory")
         for i, (label, _) in enumerate(timeline):
             if i == 0 or label != timeline[i - 1][0]:
                 ax.axvline(i, color="grey", linewidth=0.5)
-                ax.text(i, ax.get_ylim()[1] * 0.92, f" {label}", fontsize=7, color="grey", va="top")
+                ax.text(i, top * 0.97, f" {label}", fontsize=7, color="grey", va="top")
         ax.set_ylabel("GiB per rank")
-        ax.set_title(f"stage {r.sim.plan.stage}: peak {r.sim.memory.peak / GiB:.2f} GiB", fontsize=9, loc="left")
+        ax.set_title(f"stage {r.sim.plan.stage}: peak {r.sim.memory.peak / GiB:.2f} GiB of {capacity:.1f} GiB usable",
+                     fontsize=9, loc="left")
     axes[0, 0].legend(loc="upper right", fontsize=7, ncol=4)
     axes[-1, 0].set_xlabel("allocation events in one training step")
     fig.tight_layout()
