@@ -16,6 +16,7 @@ The same code runs on meta tensors with a `RecordingCommunicator` to simulate a 
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional
 
 import torch
@@ -24,6 +25,7 @@ from torch.func import functional_call
 
 from zerofunc.comm import Communicator
 from zerofunc.layout import shard
+from zerofunc.loss_scale import LossScaler
 from zerofunc.optim import AdamWConfig, adamw_
 from zerofunc.stages import Stage
 from sim.memory import NoMemoryTracking
@@ -78,13 +80,21 @@ class ZeroEngine:
     `precision` is the dtype of parameters, gradients and collectives ("fp32", "bf16",
     "fp16"); the optimizer always works on fp32 masters.
     `memory` (a sim.memory.MemoryTracker) is told what each allocation is for.
+    `grad_accum` micro-steps make one optimizer step; `clip` > 0 clips the global
+    gradient norm; `loss_scaler` (a LossScaler, for fp16) scales the loss in backward.
     """
 
     def __init__(self, model: nn.Module, stage: Stage, comm: Communicator, optim: AdamWConfig,
                  device: torch.device | str = "cpu", init: Optional[InitFn] = None,
-                 unit_names: Optional[list[str]] = None, precision: str = "fp32", memory=None):
+                 unit_names: Optional[list[str]] = None, precision: str = "fp32", memory=None,
+                 grad_accum: int = 1, clip: float = 0.0, loss_scaler: Optional[LossScaler] = None):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        if grad_accum < 1 or clip < 0:
+            raise ValueError(f"need grad_accum >= 1 and clip >= 0, got {grad_accum} and {clip}")
+        self.grad_accum, self.clip, self.loss_scaler = grad_accum, clip, loss_scaler
+        self.micro_step = 0          # backward passes since the last optimizer step
+        self.skipped_steps = 0       # boundaries whose gradients overflowed
         self.model, self.stage, self.comm, self.optim = model, stage, comm, optim
         self.device = torch.device(device)
         self.memory = memory if memory is not None else NoMemoryTracking()
@@ -171,41 +181,68 @@ class ZeroEngine:
 
     # ---- backward ----------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-step: the loss is divided by the accumulation count
+        (and multiplied by the fp16 loss scale), so gradients sum to the big batch's."""
         self.memory.mark("backward")
+        self._boundary = self.micro_step + 1 == self.grad_accum
+        scale = (self.loss_scaler.scale if self.loss_scaler else 1.0) / self.grad_accum
         with self.memory.category("activations"):
-            loss.backward()
+            (loss * scale if scale != 1.0 else loss).backward()
+        self.micro_step += 1
 
     def _unit_backward(self, unit: Unit, grad: torch.Tensor) -> None:
-        """The unit's full local gradient exists: reduce it as the stage says."""
+        """The unit's local gradient of this micro-step exists: accumulate and reduce it as the stage says.
+
+        Stages 0-1 keep the full local gradient as the accumulator and communicate only
+        on the last micro-step; stages 2-3 reduce-scatter every micro-step into a shard.
+        """
         stage, comm = self.stage, self.comm
-        self.memory.track(grad, "buffers" if stage.shard_grads else "grads")  # kept, or only sent
-        if not stage.shard_optimizer:
-            comm.all_reduce(grad, tag="grads")
-            unit.local_grad = unit.grad = grad
-            return
+        if not stage.shard_grads:
+            self.memory.track(grad, "grads")
+            unit.local_grad = grad if unit.local_grad is None else unit.local_grad.add_(grad)
+            if not self._boundary:
+                return
+            if not stage.shard_optimizer:
+                comm.all_reduce(unit.local_grad, tag="grads")
+                unit.grad = unit.local_grad
+                return
+        self.memory.track(grad, "buffers")  # only sent
         with self.memory.category("grads" if stage.shard_grads else "buffers"):
             reduced = torch.empty(unit.layout.shard_numel, device=grad.device, dtype=grad.dtype)
-        comm.reduce_scatter(reduced, grad, tag="grads")
-        if stage.shard_grads:
-            unit.grad = reduced
-        else:  # ZeRO-1 keeps the full gradient; its own slice now holds the reduced shard
-            unit.local_grad = grad
-            unit.grad = shard(grad, comm.rank, comm.world_size)
+        comm.reduce_scatter(reduced, grad if stage.shard_grads else unit.local_grad, tag="grads")
+        if not stage.shard_grads:  # ZeRO-1 keeps the full gradient; its own slice now holds the reduced shard
+            unit.grad = shard(unit.local_grad, comm.rank, comm.world_size)
             unit.grad.copy_(reduced)
+        else:
+            unit.grad = reduced if unit.grad is None else unit.grad.add_(reduced)
         if stage.shard_params:
             self._release(unit)  # backward is done with this unit's weights
 
     # ---- optimizer ---------------------------------------------------------------
     @torch.no_grad()
-    def step(self, lr: Optional[float] = None) -> None:
-        """AdamW on the fp32 master of what this rank owns, then refresh the weights the forward uses."""
-        self.step_count += 1
+    def step(self, lr: Optional[float] = None) -> bool:
+        """At an accumulation boundary: AdamW on the fp32 master of what this rank owns,
+        then refresh the weights the forward uses. Before a boundary it does nothing.
+
+        Returns whether the parameters changed: False before a boundary, and False when
+        fp16 gradients overflowed on any rank (the step is skipped everywhere).
+        """
+        if self.micro_step < self.grad_accum:
+            return False
+        self.micro_step = 0
         self.memory.mark("step")
         for unit in self.units:
             if unit.grad is None:
                 raise RuntimeError(f"unit {unit.name or '<root>'} has no gradient: call backward() before step()")
+        factor = self._unscale_and_clip()
+        if factor is None:
+            self._clear_grads()
+            return False
+        self.step_count += 1
+        for unit in self.units:
             with self.memory.category("other"):
-                adamw_(unit.master, unit.grad.float(), unit.m, unit.v, self.step_count, self.optim, lr=lr)
+                grad = unit.grad.float() if factor == 1.0 else unit.grad.float().mul_(factor)
+                adamw_(unit.master, grad, unit.m, unit.v, self.step_count, self.optim, lr=lr)
             if self.stage.shard_optimizer and not self.stage.shard_params:
                 # Whole weights from every rank's shard. A fresh input even in fp32: not
                 # every backend gathers from a slice of its own output in place.
@@ -214,6 +251,40 @@ class ZeroEngine:
                 self.comm.all_gather(unit.params, send, tag="params.step")
             elif unit.master.dtype != unit.params.dtype:  # 16-bit stages 0 and 3: same span, new rounding
                 unit.params.copy_(unit.master)
+        self._clear_grads()
+        return True
+
+    def _unscale_and_clip(self) -> Optional[float]:
+        """What to multiply the gradients by: 1 / loss scale, times the clip coefficient.
+
+        Both need the global gradient norm, which costs one scalar all-reduce when the
+        gradients are sharded (stage 0's are whole on every rank). A non-finite norm is
+        an fp16 overflow: None, and the scale adapts.
+        """
+        scaler = self.loss_scaler
+        if scaler is None and not self.clip:
+            return 1.0
+        sq = torch.zeros(1, device=self.device, dtype=torch.float32)
+        for unit in self.units:
+            sq += unit.grad.float().pow(2).sum()
+        if self.stage.shard_optimizer:
+            self.comm.all_reduce(sq, tag="grad_norm", mean=False)
+        norm = sq.sqrt().item() if self.device.type != "meta" else 0.0
+        factor = 1.0
+        if scaler is not None:
+            overflow = not math.isfinite(norm)
+            scaler_scale = scaler.scale
+            scaler.update(overflow)
+            if overflow:
+                self.skipped_steps += 1
+                return None
+            factor, norm = 1.0 / scaler_scale, norm / scaler_scale
+        if self.clip:  # as torch.nn.utils.clip_grad_norm_
+            factor *= min(1.0, self.clip / (norm + 1e-6))
+        return factor
+
+    def _clear_grads(self) -> None:
+        for unit in self.units:
             unit.grad = unit.local_grad = None
 
     # ---- export ------------------------------------------------------------------
