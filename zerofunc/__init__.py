@@ -1,6 +1,8 @@
 """zerofunc: ZeRO stages 0-3 in a functional style on PyTorch."""
+from zerofunc.api import initialize
+from zerofunc.config import Config, ConfigError
 from zerofunc.engine import ZeroEngine
 from zerofunc.optim import AdamWConfig, adamw_
 from zerofunc.stages import STAGES, Stage, get_stage
 
-__all__ = ["ZeroEngine", "AdamWConfig", "adamw_", "STAGES", "Stage", "get_stage"]
+__all__ = ["initialize", "Config", "ConfigError", "ZeroEngine", "AdamWConfig", "adamw_", "STAGES", "Stage", "get_stage"]

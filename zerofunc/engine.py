@@ -94,6 +94,7 @@ class ZeroEngine:
             raise ValueError(f"need grad_accum >= 1 and clip >= 0, got {grad_accum} and {clip}")
         self.grad_accum, self.clip, self.loss_scaler = grad_accum, clip, loss_scaler
         self.micro_step = 0          # backward passes since the last optimizer step
+        self.lr_schedule: Optional[Callable[[int], float]] = None  # step (from 1) -> lr, when step() gets none
         self.skipped_steps = 0       # boundaries whose gradients overflowed
         self.model, self.stage, self.comm, self.optim = model, stage, comm, optim
         self.device = torch.device(device)
@@ -239,6 +240,8 @@ class ZeroEngine:
             self._clear_grads()
             return False
         self.step_count += 1
+        if lr is None and self.lr_schedule is not None:
+            lr = self.lr_schedule(self.step_count)
         for unit in self.units:
             with self.memory.category("other"):
                 grad = unit.grad.float() if factor == 1.0 else unit.grad.float().mul_(factor)

@@ -1,0 +1,72 @@
+"""DeepSpeed's four-line change: engine = zerofunc.initialize(model, config); engine(batch);
+engine.backward(loss); engine.step()."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from zerofunc.comm import Communicator, DistCommunicator
+from zerofunc.config import Config, parse
+from zerofunc.engine import ZeroEngine
+from zerofunc.stages import get_stage
+from zerofunc.units import InitFn
+
+
+def initialize(model: nn.Module, config: dict | str | Path | Config, *, device: Optional[torch.device | str] = None,
+               comm: Optional[Communicator] = None, init: Optional[InitFn] = None,
+               unit_names: Optional[list[str]] = None, memory=None) -> ZeroEngine:
+    """Wrap `model` (any nn.Module) in a ZeRO engine configured by a DeepSpeed-style `config`.
+
+    Without a process group, a single-rank gloo group is started, so the same script
+    runs alone or under torchrun. A model with real weights starts from them, and its
+    own copies are then released (only the engine's flat buffers hold weights); a model
+    on the meta device needs `init`, or an `init_param(name, shape, seed)` method.
+    """
+    world = comm.world_size if comm is not None else dist.get_world_size() if dist.is_initialized() else 1
+    cfg = config if isinstance(config, Config) else parse(config, world)  # bad input fails before any set-up
+    if comm is None and not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    comm = comm if comm is not None else DistCommunicator()
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    real = [p for p in model.parameters() if p.device.type != "meta"]
+    if init is None:
+        if real:
+            weights = {n: p.detach() for n, p in model.named_parameters()}
+            init = lambda name, shape: weights[name].float().cpu()  # noqa: E731
+        elif hasattr(model, "init_param"):
+            init = lambda name, shape: model.init_param(name, shape, 0)  # noqa: E731
+        else:
+            raise ValueError("the model is on the meta device: pass init=, or give it init_param(name, shape, seed)")
+    engine = ZeroEngine(model, get_stage(cfg.stage), comm, cfg.optimizer, device, init,
+                        unit_names if unit_names is not None else default_units(model), precision=cfg.precision,
+                        memory=memory, grad_accum=cfg.grad_accum, clip=cfg.clip, loss_scaler=cfg.loss_scaler())
+    engine.lr_schedule = cfg.lr
+    engine.config = cfg
+    if real:
+        _release_module_weights(model)
+    return engine
+
+
+def default_units(model: nn.Module) -> list[str]:
+    """Stage 3's gather units: the model's own `shard_units()`, else the children of its
+    largest ModuleList (the stack of transformer blocks in most models), else none."""
+    if hasattr(model, "shard_units"):
+        return list(model.shard_units())
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        return []
+    name, blocks = max(lists, key=lambda nm: sum(p.numel() for p in nm[1].parameters()))
+    return [f"{name}.{i}" for i in range(len(blocks))]
+
+
+def _release_module_weights(model: nn.Module) -> None:
+    """Swap the module's parameters for meta tensors: the engine's buffers hold the weights now."""
+    for module in model.modules():
+        for key, p in list(module._parameters.items()):
+            if p is not None and p.device.type != "meta":
+                module._parameters[key] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)

@@ -1,0 +1,254 @@
+"""The DeepSpeed-style JSON config, read into a plain dataclass.
+
+The same file a DeepSpeed user already has works here. Keys zerofunc implements are
+read; known DeepSpeed keys it does not need (bucket sizes, overlap flags, offload, ...)
+are listed in `Config.ignored` for one warning; anything else is an error that names
+the key. Errors are `ConfigError`, one line each.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from zerofunc.loss_scale import LossScaler
+from zerofunc.optim import AdamWConfig
+
+
+class ConfigError(ValueError):
+    pass
+
+
+IGNORED_TOP = {"steps_per_print", "wall_clock_breakdown", "dump_state", "prescale_gradients",
+               "gradient_predivide_factor", "sparse_gradients", "zero_allow_untested_optimizer",
+               "communication_data_type", "tensorboard", "wandb", "csv_monitor", "comms_logger",
+               "flops_profiler", "activation_checkpointing", "memory_breakdown", "seq_parallel_communication_data_type",
+               "data_types", "checkpoint", "elasticity", "aio", "zero_force_ds_cpu_optimizer"}
+IGNORED_ZERO = {"overlap_comm", "contiguous_gradients", "reduce_bucket_size", "allgather_bucket_size",
+                "reduce_scatter", "allgather_partitions", "round_robin_gradients", "stage3_prefetch_bucket_size",
+                "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance",
+                "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save", "sub_group_size",
+                "offload_optimizer", "offload_param", "memory_efficient_linear", "elastic_checkpoint",
+                "ignore_unused_parameters", "load_from_fp32_weights", "cpu_offload", "zero_hpz_partition_size",
+                "zero_quantized_weights", "zero_quantized_gradients", "mics_shard_size", "use_multi_rank_bucket_allreduce"}
+FP16_KEYS = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"}
+IGNORED_FP16 = {"consecutive_hysteresis", "auto_cast", "fp16_master_weights_and_grads"}
+SCHEDULES = {
+    "WarmupLR": {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"},
+    "WarmupCosineLR": {"total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type"},
+    "WarmupDecayLR": {"total_num_steps", "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"},
+}
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """DeepSpeed's learning-rate schedules, as a function of the optimizer step (from 1)."""
+
+    kind: str
+    params: dict = field(default_factory=dict)
+
+    def lr(self, step: int, base_lr: float) -> float:
+        p = self.params
+        warmup = p.get("warmup_num_steps", 1000)
+        log_warmup = p.get("warmup_type", "log") == "log"
+        t = step - 1  # DeepSpeed counts from 0
+
+        def ramp() -> float:  # 0 -> 1 over the warm-up
+            if warmup <= 0 or t >= warmup:
+                return 1.0
+            return math.log(t + 1) / math.log(warmup) if log_warmup else t / warmup
+
+        if self.kind == "WarmupCosineLR":
+            lo, total = p.get("warmup_min_ratio", 0.0), p["total_num_steps"]
+            if t < warmup:
+                return base_lr * (lo + (1 - lo) * ramp())
+            progress = min(1.0, (t - warmup) / max(1, total - warmup))
+            floor = p.get("cos_min_ratio", 1e-4)
+            return base_lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+        lo, hi = p.get("warmup_min_lr", 0.0), p.get("warmup_max_lr", base_lr)
+        if self.kind == "WarmupLR" or t < warmup:
+            return lo + (hi - lo) * ramp()
+        total = p["total_num_steps"]  # WarmupDecayLR: linear to 0 at total_num_steps
+        return hi * max(0.0, (total - t) / max(1.0, total - warmup))
+
+
+@dataclass(frozen=True)
+class Config:
+    stage: int = 0
+    micro_batch: int = 1
+    grad_accum: int = 1
+    train_batch_size: int = 1
+    precision: str = "fp32"
+    clip: float = 0.0
+    optimizer: AdamWConfig = AdamWConfig()
+    fp16: dict = field(default_factory=dict)
+    schedule: Optional[Schedule] = None
+    ignored: tuple[str, ...] = ()
+
+    def loss_scaler(self) -> Optional[LossScaler]:
+        """A fresh scaler for fp16 (None otherwise); loss_scale > 0 means a static scale."""
+        if self.precision != "fp16":
+            return None
+        f = self.fp16
+        static = f.get("loss_scale", 0)
+        return LossScaler(scale=static or 2.0 ** f.get("initial_scale_power", 16), dynamic=not static,
+                          window=f.get("loss_scale_window", 1000), hysteresis=f.get("hysteresis", 2),
+                          min_scale=f.get("min_loss_scale", 1))
+
+    def lr(self, step: int) -> float:
+        return self.schedule.lr(step, self.optimizer.lr) if self.schedule else self.optimizer.lr
+
+
+def read(source: dict | str | Path) -> dict:
+    """The raw config: a dict as is, or a JSON file."""
+    if isinstance(source, dict):
+        return source
+    path = Path(source)
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid JSON: {e.msg} at line {e.lineno}") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path} must hold a JSON object, not {type(raw).__name__}")
+    return raw
+
+
+def parse(source: dict | str | Path, world_size: int) -> Config:
+    raw = read(source)
+    ignored: list[str] = []
+    known = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+             "zero_optimization", "fp16", "bf16", "gradient_clipping", "optimizer", "scheduler"}
+    _check_keys(raw, known, IGNORED_TOP, "", ignored)
+
+    zero = _section(raw, "zero_optimization")
+    _check_keys(zero, {"stage"}, IGNORED_ZERO, "zero_optimization.", ignored)
+    stage = _number(zero, "stage", 0, "zero_optimization.stage", int)
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage}")
+
+    fp16, bf16 = _section(raw, "fp16"), _section(raw, "bf16")
+    _check_keys(fp16, FP16_KEYS, IGNORED_FP16, "fp16.", ignored)
+    _check_keys(bf16, {"enabled"}, {"immediate_grad_update", "check_grad_overflow"}, "bf16.", ignored)
+    if fp16.get("enabled") and bf16.get("enabled"):
+        raise ConfigError("fp16 and bf16 are both enabled; enable at most one")
+    precision = "fp16" if fp16.get("enabled") else "bf16" if bf16.get("enabled") else "fp32"
+
+    clip = _number(raw, "gradient_clipping", 0.0, "gradient_clipping", float)
+    if clip < 0:
+        raise ConfigError(f"gradient_clipping must be >= 0, got {clip}")
+    mb, gas, tbs = _batch_triple(raw, world_size)
+    try:
+        return Config(stage=stage, micro_batch=mb, grad_accum=gas, train_batch_size=tbs, precision=precision,
+                      clip=clip, optimizer=_optimizer(raw, ignored), fp16=fp16, schedule=_schedule(raw),
+                      ignored=tuple(ignored))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _section(raw: dict, key: str) -> dict:
+    value = raw.get(key, {})
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key} must be a JSON object, got {json.dumps(value)}")
+    return value
+
+
+def _check_keys(section: dict, known: set, ignored_known: set, prefix: str, ignored: list) -> None:
+    for key in section:
+        if key in ignored_known:
+            ignored.append(prefix + key)
+        elif key not in known:
+            raise ConfigError(f"unknown config key {prefix + key!r}")
+
+
+def _number(section: dict, key: str, default, name: str, kind: type):
+    value = section.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+        raise ConfigError(f"{name} must be {'an integer' if kind is int else 'a number'}, got {json.dumps(value)}")
+    return kind(value)
+
+
+def _batch_triple(raw: dict, world: int) -> tuple[int, int, int]:
+    """(micro-batch, accumulation steps, global batch): any two imply the third, as in DeepSpeed."""
+    names = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
+    mb, gas, tbs = (_number(raw, n, None, n, int) if n in raw else None for n in names)
+    for name, value in zip(names, (mb, gas, tbs)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{name} must be at least 1, got {value}")
+    if tbs is not None and mb is not None and gas is None:
+        gas = tbs // (mb * world) if tbs % (mb * world) == 0 else None
+        if gas is None:
+            raise ConfigError(f"train_batch_size {tbs} is not a multiple of micro-batch {mb} x {world} ranks")
+    elif tbs is not None and gas is not None and mb is None:
+        mb = tbs // (gas * world) if tbs % (gas * world) == 0 else None
+        if mb is None:
+            raise ConfigError(f"train_batch_size {tbs} is not a multiple of {gas} accumulation steps x {world} ranks")
+    elif tbs is not None and mb is None:
+        gas = 1
+        mb = tbs // world if tbs % world == 0 else None
+        if mb is None:
+            raise ConfigError(f"train_batch_size {tbs} is not a multiple of {world} ranks")
+    elif tbs is None and mb is None:
+        raise ConfigError("the config needs train_batch_size or train_micro_batch_size_per_gpu")
+    gas = 1 if gas is None else gas
+    if tbs is None:
+        tbs = mb * gas * world
+    if tbs != mb * gas * world:
+        raise ConfigError(f"inconsistent batch sizes: train_batch_size {tbs} != micro-batch {mb} x "
+                          f"{gas} accumulation steps x {world} ranks")
+    return mb, gas, tbs
+
+
+def _optimizer(raw: dict, ignored: list) -> AdamWConfig:
+    opt = _section(raw, "optimizer")
+    _check_keys(opt, {"type", "params"}, set(), "optimizer.", ignored)
+    kind = opt.get("type", "AdamW")
+    if str(kind).lower() not in ("adam", "adamw"):
+        raise ConfigError(f"optimizer.type {kind!r} is not supported; zerofunc implements Adam and AdamW")
+    params = _section(opt, "params")
+    _check_keys(params, {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "bias_correction"},
+                {"torch_adam", "fused", "amsgrad"}, "optimizer.params.", ignored)
+    if params.get("adam_w_mode") is False or params.get("bias_correction") is False:
+        raise ConfigError("zerofunc's Adam has decoupled weight decay and bias correction; "
+                          "adam_w_mode and bias_correction cannot be false")
+    betas = params.get("betas", [0.9, 0.999])
+    if not (isinstance(betas, list) and len(betas) == 2):
+        raise ConfigError(f"optimizer.params.betas must be a list of two numbers, got {json.dumps(betas)}")
+    return AdamWConfig(lr=_number(params, "lr", 1e-3, "optimizer.params.lr", float), betas=tuple(map(float, betas)),
+                       eps=_number(params, "eps", 1e-8, "optimizer.params.eps", float),
+                       weight_decay=_number(params, "weight_decay", 0.01, "optimizer.params.weight_decay", float))
+
+
+def _schedule(raw: dict) -> Optional[Schedule]:
+    if "scheduler" not in raw:
+        return None
+    sched = _section(raw, "scheduler")
+    kind = sched.get("type")
+    if kind not in SCHEDULES:
+        raise ConfigError(f"scheduler.type {kind!r} is not supported; choose one of {', '.join(SCHEDULES)}")
+    params = _section(sched, "params")
+    for key in params:
+        if key not in SCHEDULES[kind]:
+            raise ConfigError(f"unknown config key 'scheduler.params.{key}' for {kind}")
+    if kind != "WarmupLR" and "total_num_steps" not in params:
+        raise ConfigError(f"scheduler {kind} needs params.total_num_steps")
+    return Schedule(kind, dict(params))
+
+
+def as_dict(config: dict, overrides: dict[str, Any]) -> dict:
+    """`config` with command-line overrides applied (a key path such as "zero_optimization.stage")."""
+    out = json.loads(json.dumps(config))
+    for path, value in overrides.items():
+        *parents, leaf = path.split(".")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{p} must be a JSON object to set {path}")
+        node[leaf] = value
+    return out
