@@ -34,7 +34,7 @@ def executed_step(case, stage):
     mb = case.micro_batch
     x, y, _ = (t[comm.rank * mb:(comm.rank + 1) * mb] for t in global_batches(case, comm.world_size, 1)[0])
     with tracker:
-        train_step(engine, x, y)
+        train_step(engine, [(x, y)])
     return comm.ledger.entries, tracker.report()
 
 

@@ -82,3 +82,54 @@ def test_command_line_exit_code_and_no_traceback(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: --nproc must be at least 1, got -1"
+
+
+def test_accumulation_matches_the_big_batch(tmp_path):
+    """2 ranks x 2 micro-steps x 4 sequences = 1 rank x 1 micro-step x 16 sequences, step for step."""
+    runs = {"one-rank": ["--nproc", "1", "--micro-batch", "16"],
+            "accumulated": ["--nproc", "2", "--micro-batch", "4", "--grad-accum", "2", "--stage", "2"]}
+    curves = {}
+    for name, flags in runs.items():
+        assert main(flags + ["--steps", "8", "--out", str(tmp_path / name), "--device", "cpu"]) == 0
+        curves[name] = losses(tmp_path / name)
+    assert_same_curves(curves, "one-rank", steps=8)
+
+
+def test_deepspeed_stage2_config_trains(tmp_path, capfd):
+    """DeepSpeed's documented ZeRO-2 config, with AdamW, bf16 and accumulation 4, through --config."""
+    config = Path(__file__).parent.parent / "examples" / "ds_config_zero2.json"
+    out = tmp_path / "ds"
+    assert main(["--config", str(config), "--steps", "12", "--seq", "64", "--out", str(out), "--device", "cpu"]) == 0
+    err = capfd.readouterr().err
+    assert err.count("warning: zerofunc ignores these DeepSpeed settings") == 1 and "overlap_comm" in err
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["tokens"] == 12 * 4 * 4 * 2 * 64  # steps x micro-batch x accumulation x ranks x seq
+    assert rows[-1]["loss"] < rows[0]["loss"]
+
+
+def test_fp16_trains_with_a_dynamic_loss_scale(tmp_path):
+    out = tmp_path / "fp16"
+    assert main(["--precision", "fp16", "--stage", "3", "--steps", "12", "--seq", "64", "--out", str(out),
+                 "--device", "cpu"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["loss"] == r["loss"] for r in rows) and rows[-1]["loss"] < rows[0]["loss"]
+    assert rows[-1]["loss_scale"] <= 2.0**16 and "skipped_steps" in rows[-1]
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "does not exist"),
+    ('{"train_batch_size": 4,', "not valid JSON"),
+    ('{"train_batch_size": 4, "zero_optimisation": {"stage": 2}}', "unknown config key 'zero_optimisation'"),
+    ('{"train_batch_size": 4, "fp16": {"enabled": true}, "bf16": {"enabled": true}}', "both enabled"),
+    ('{"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}',
+     "inconsistent batch sizes"),
+])
+def test_bad_config_is_one_line_and_writes_nothing(tmp_path, capsys, content, message):
+    config = tmp_path / "ds.json"
+    if content is not None:
+        config.write_text(content)
+    out = tmp_path / "out"
+    assert main(["--config", str(config), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err
+    assert not out.exists()

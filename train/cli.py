@@ -1,13 +1,19 @@
-"""Command line of python -m train. Bad input ends in one line on stderr and exit code 2."""
+"""Command line of python -m train. Bad input ends in one line on stderr and exit code 2.
+
+Settings come from a DeepSpeed-style --config file when given; the flags override it.
+Without a file, the flags (or their defaults) make the whole config.
+"""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
 
 from train.data import DataError, load_tokens
 from train.loop import TrainArgs, train_rank
+from zerofunc.config import ConfigError, as_dict, parse as parse_config, read as read_config
 from zerofunc.launch import RankError, default_backend, init_torchrun, spawn, under_torchrun
 from zerofunc.models import MODELS, model_config
 
@@ -21,12 +27,17 @@ class UsageError(ValueError):
 def parse(argv: list[str] | None) -> TrainArgs:
     p = argparse.ArgumentParser(prog="python -m train", description="Train a GPT-2 with ZeRO stages 0-3.")
     p.add_argument("--model", default=DEFAULTS["model"], help=f"one of {', '.join(MODELS)}")
-    p.add_argument("--stage", type=int, default=DEFAULTS["stage"], help="ZeRO stage: 0, 1, 2 or 3")
+    p.add_argument("--config", default=None, help="a DeepSpeed-style JSON config; the flags below override it")
+    p.add_argument("--stage", type=int, default=None, help=f"ZeRO stage: 0, 1, 2 or 3 (default {DEFAULTS['stage']})")
     p.add_argument("--nproc", type=int, default=DEFAULTS["nproc"], help="ranks to start (ignored under torchrun)")
     p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="optimizer steps")
-    p.add_argument("--micro-batch", type=int, default=DEFAULTS["micro_batch"], help="sequences per rank per step")
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help=f"sequences per rank per micro-step (default {DEFAULTS['micro_batch']})")
+    p.add_argument("--grad-accum", type=int, default=None, help="micro-steps per optimizer step (default 1)")
     p.add_argument("--seq", type=int, default=DEFAULTS["seq"], help="tokens per sequence")
-    p.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="AdamW learning rate")
+    p.add_argument("--lr", type=float, default=None, help=f"AdamW learning rate (default {DEFAULTS['lr']})")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None, help="default fp32")
+    p.add_argument("--clip", type=float, default=None, help="clip the global gradient norm to this (0: off)")
     p.add_argument("--dropout", type=float, default=0.0, help="dropout rate, seeded per global sample (default off)")
     p.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="seed of the initial weights and the data order")
     p.add_argument("--data", default=None, help="a file of training bytes (default: the standard library's sources)")
@@ -36,13 +47,16 @@ def parse(argv: list[str] | None) -> TrainArgs:
 
     if a.model not in MODELS:
         raise UsageError(f"unknown model {a.model!r}; choose one of {', '.join(MODELS)}")
-    if a.stage not in (0, 1, 2, 3):
+    if a.stage is not None and a.stage not in (0, 1, 2, 3):
         raise UsageError(f"--stage must be 0, 1, 2 or 3, got {a.stage}")
-    for flag in ("nproc", "steps", "micro_batch", "seq"):
-        if getattr(a, flag) < 1:
-            raise UsageError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(a, flag)}")
-    if not a.lr > 0:
+    for flag in ("nproc", "steps", "micro_batch", "grad_accum", "seq"):
+        value = getattr(a, flag)
+        if value is not None and value < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    if a.lr is not None and not a.lr > 0:
         raise UsageError(f"--lr must be positive, got {a.lr}")
+    if a.clip is not None and a.clip < 0:
+        raise UsageError(f"--clip must be >= 0, got {a.clip}")
     if not 0 <= a.dropout < 1:
         raise UsageError(f"--dropout must lie in [0, 1), got {a.dropout}")
     context = model_config(a.model).block_size
@@ -53,17 +67,45 @@ def parse(argv: list[str] | None) -> TrainArgs:
         raise UsageError("--device cuda, but no CUDA device is available")
     if device == "cuda" and not under_torchrun() and a.nproc > torch.cuda.device_count():
         raise UsageError(f"--nproc {a.nproc} exceeds the {torch.cuda.device_count()} CUDA devices here")
-    return TrainArgs(a.model, a.stage, a.nproc, a.steps, a.micro_batch, a.seq, a.lr, a.dropout, a.seed,
-                     a.data, a.out, device)
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else a.nproc
+    config = parse_config(as_dict(read_config(a.config) if a.config else _flag_defaults(), _overrides(a)), world)
+    return TrainArgs(a.model, config, a.nproc, a.steps, a.seq, a.dropout, a.seed, a.data, a.out, device)
+
+
+def _flag_defaults() -> dict:
+    """The config the flags' defaults describe, when no file is given."""
+    return {"train_micro_batch_size_per_gpu": DEFAULTS["micro_batch"], "zero_optimization": {"stage": DEFAULTS["stage"]},
+            "optimizer": {"type": "AdamW", "params": {"lr": DEFAULTS["lr"]}}}
+
+
+def _overrides(a: argparse.Namespace) -> dict:
+    """The config keys that the given flags set."""
+    out = {}
+    if a.stage is not None:
+        out["zero_optimization.stage"] = a.stage
+    if a.micro_batch is not None or a.grad_accum is not None:
+        out["train_micro_batch_size_per_gpu"] = a.micro_batch or DEFAULTS["micro_batch"]
+        out["gradient_accumulation_steps"] = a.grad_accum or 1
+        out["train_batch_size"] = None  # recomputed from the two flags
+    if a.lr is not None:
+        out["optimizer.params.lr"] = a.lr
+    if a.clip is not None:
+        out["gradient_clipping"] = a.clip
+    if a.precision is not None:
+        out["fp16.enabled"] = a.precision == "fp16"
+        out["bf16.enabled"] = a.precision == "bf16"
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parse(argv)
         load_tokens(args.data, args.seq)  # fail here, in one line, rather than in every rank
-    except (UsageError, DataError) as e:
+    except (UsageError, DataError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.config.ignored:
+        print(f"warning: zerofunc ignores these DeepSpeed settings: {', '.join(args.config.ignored)}", file=sys.stderr)
     backend = default_backend(torch.device(args.device))
     try:
         if under_torchrun():

@@ -62,15 +62,19 @@ def global_batch_starts(n_tokens: int, step: int, batch: int, seq: int, seed: in
 
 
 def rank_batch(tokens: torch.Tensor, step: int, micro_batch: int, world_size: int, rank: int,
-               seq: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This rank's (inputs, targets, sample ids): rows [rank*mb, (rank+1)*mb) of the global batch.
+               seq: int, seed: int, grad_accum: int = 1, micro_step: int = 0
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's (inputs, targets, sample ids) for one micro-step of the global batch.
 
-    A sample id names a row of the global batch of a run, (seed, step, row), whatever
-    the rank count; per-sample randomness such as dropout is seeded from it.
+    The global batch holds micro_batch x world_size x grad_accum rows; micro-step j of
+    rank r takes micro-batch j * world_size + r. A sample id names a row of the global
+    batch of a run, (seed, step, row), whatever the rank count; per-sample randomness
+    such as dropout is seeded from it.
     """
-    size = micro_batch * world_size
+    size = micro_batch * world_size * grad_accum
     starts = global_batch_starts(len(tokens), step, size, seq, seed)
-    lo, hi = rank * micro_batch, (rank + 1) * micro_batch
+    lo = (micro_step * world_size + rank) * micro_batch
+    hi = lo + micro_batch
     rows = torch.stack([tokens[s:s + seq + 1] for s in starts[lo:hi].tolist()]).long()
     ids = (seed << 40) + (step - 1) * size + torch.arange(lo, hi)
     return rows[:, :-1], rows[:, 1:], ids

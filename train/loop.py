@@ -11,25 +11,22 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+import zerofunc
 from sim.memory import MemoryTracker
 from train.data import load_tokens, rank_batch
 from zerofunc.comm import DistCommunicator
-from zerofunc.engine import ZeroEngine
+from zerofunc.config import Config
 from zerofunc.models import GPT, model_config
-from zerofunc.optim import AdamWConfig
-from zerofunc.stages import get_stage
 from zerofunc.step import train_step
 
 
 @dataclass(frozen=True)
 class TrainArgs:
     model: str
-    stage: int
+    config: Config  # stage, batch sizes, precision, optimizer, clipping, schedule
     nproc: int
     steps: int
-    micro_batch: int
     seq: int
-    lr: float
     dropout: float
     seed: int
     data: Optional[str]
@@ -57,29 +54,35 @@ def train_rank(args: TrainArgs) -> dict:
     comm = DistCommunicator()
     # Peak memory: on CUDA the allocator's own count; on CPU the planner's tracker, on real tensors.
     tracker = MemoryTracker() if device.type == "cpu" else None
-    engine = ZeroEngine(model, get_stage(args.stage), comm, AdamWConfig(lr=args.lr), device,
-                        init=lambda name, shape: model.init_param(name, shape, args.seed), memory=tracker)
+    cfg = args.config
+    engine = zerofunc.initialize(model, cfg, device=device, comm=comm, memory=tracker,
+                                 init=lambda name, shape: model.init_param(name, shape, args.seed))
     metrics = _open_metrics(args.out) if rank == 0 else None
-    tokens_per_step = args.micro_batch * world * args.seq
+    tokens_per_step = cfg.train_batch_size * args.seq
     start = time.perf_counter()
     loss_mean = float("nan")
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
-        batch = [t.to(device) for t in rank_batch(tokens, step, args.micro_batch, world, rank, args.seq, args.seed)]
+        micro_batches = [[t.to(device) for t in rank_batch(tokens, step, cfg.micro_batch, world, rank, args.seq,
+                                                           args.seed, cfg.grad_accum, j)]
+                         for j in range(cfg.grad_accum)]
         comm.ledger.clear()
         if tracker is not None:
             tracker.reset_peak()
             with tracker:
-                loss = train_step(engine, *batch)
+                loss = train_step(engine, micro_batches)
         else:
             torch.cuda.reset_peak_memory_stats(device)
-            loss = train_step(engine, *batch)
+            loss = train_step(engine, micro_batches)
         loss_mean = loss.item()
         step_s = time.perf_counter() - t0
         if metrics is not None:
             row = {"step": step, "loss": loss_mean, "tokens": step * tokens_per_step, "time_s": step_s,
                    "elapsed_s": time.perf_counter() - start, "comm_volume_bytes": comm.ledger.volume_bytes(),
-                   "peak_bytes": tracker.peak if tracker is not None else torch.cuda.max_memory_allocated(device)}
+                   "peak_bytes": tracker.peak if tracker is not None else torch.cuda.max_memory_allocated(device),
+                   "lr": cfg.lr(engine.step_count) if engine.step_count else cfg.lr(1)}
+            if engine.loss_scaler is not None:
+                row |= {"loss_scale": engine.loss_scaler.scale, "skipped_steps": engine.skipped_steps}
             metrics.write(json.dumps(row) + "\n")
             metrics.flush()
             print(f"step {step:5d}/{args.steps}  loss {loss_mean:.4f}  {tokens_per_step / step_s:9.0f} tok/s",

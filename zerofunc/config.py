@@ -241,7 +241,8 @@ def _schedule(raw: dict) -> Optional[Schedule]:
 
 
 def as_dict(config: dict, overrides: dict[str, Any]) -> dict:
-    """`config` with command-line overrides applied (a key path such as "zero_optimization.stage")."""
+    """`config` with command-line overrides applied (a key path such as "zero_optimization.stage");
+    a value of None removes the key."""
     out = json.loads(json.dumps(config))
     for path, value in overrides.items():
         *parents, leaf = path.split(".")
@@ -250,5 +251,8 @@ def as_dict(config: dict, overrides: dict[str, Any]) -> dict:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"{p} must be a JSON object to set {path}")
-        node[leaf] = value
+        if value is None:
+            node.pop(leaf, None)
+        else:
+            node[leaf] = value
     return out

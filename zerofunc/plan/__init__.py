@@ -146,7 +146,7 @@ def simulate(plan: Plan, timeline: bool = False, timing: bool = True) -> Simulat
     roofline = Roofline({k: v * profile.compute_efficiency for k, v in profile.flops.items()},
                         profile.memory_bandwidth)
     with tracker, roofline if timing else contextlib.nullcontext(), TargetAttention(profile.attention):
-        train_step(engine, *batch)
+        train_step(engine, [batch])
     ledger = list(comm.ledger)
     return Simulation(plan, engine.numel, tracker.report(), ledger, roofline.flops, roofline.time_s,
                       ledger_time(ledger, profile.link(plan.world_size)))
