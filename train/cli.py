@@ -15,7 +15,10 @@ from train.data import DataError, load_tokens
 from train.loop import TrainArgs, train_rank
 from zerofunc.config import ConfigError, as_dict, parse as parse_config, read as read_config
 from zerofunc.launch import RankError, default_backend, init_torchrun, spawn, under_torchrun
-from zerofunc.models import MODELS, model_config
+from zerofunc import checkpoint
+from zerofunc.checkpoint import CheckpointError
+from zerofunc.models import GPT, MODELS, model_config
+from zerofunc.units import partition
 
 DEFAULTS = dict(model="gpt2-tiny", stage=3, nproc=2, steps=1000, micro_batch=8, seq=128, lr=1e-3, seed=0)
 
@@ -41,7 +44,9 @@ def parse(argv: list[str] | None) -> TrainArgs:
     p.add_argument("--dropout", type=float, default=0.0, help="dropout rate, seeded per global sample (default off)")
     p.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="seed of the initial weights and the data order")
     p.add_argument("--data", default=None, help="a file of training bytes (default: the standard library's sources)")
-    p.add_argument("--out", default="runs/latest", help="directory for metrics.jsonl")
+    p.add_argument("--out", default="runs/latest", help="directory for metrics.jsonl and checkpoints")
+    p.add_argument("--save-every", type=int, default=0, help="save a sharded checkpoint every K steps (0: never)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint under --out")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA if available")
     a = p.parse_args(argv)
 
@@ -49,6 +54,8 @@ def parse(argv: list[str] | None) -> TrainArgs:
         raise UsageError(f"unknown model {a.model!r}; choose one of {', '.join(MODELS)}")
     if a.stage is not None and a.stage not in (0, 1, 2, 3):
         raise UsageError(f"--stage must be 0, 1, 2 or 3, got {a.stage}")
+    if a.save_every < 0:
+        raise UsageError(f"--save-every must be >= 0, got {a.save_every}")
     for flag in ("nproc", "steps", "micro_batch", "grad_accum", "seq"):
         value = getattr(a, flag)
         if value is not None and value < 1:
@@ -69,7 +76,13 @@ def parse(argv: list[str] | None) -> TrainArgs:
         raise UsageError(f"--nproc {a.nproc} exceeds the {torch.cuda.device_count()} CUDA devices here")
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else a.nproc
     config = parse_config(as_dict(read_config(a.config) if a.config else _flag_defaults(), _overrides(a)), world)
-    return TrainArgs(a.model, config, a.nproc, a.steps, a.seq, a.dropout, a.seed, a.data, a.out, device)
+    if a.resume:
+        with torch.device("meta"):
+            model = GPT(model_config(a.model))
+        units = [[[n, list(p.shape)] for n, p in named] for _, _, named in partition(model, model.shard_units())]
+        checkpoint.verify(a.out, units)
+    return TrainArgs(a.model, config, a.nproc, a.steps, a.seq, a.dropout, a.seed, a.data, a.out, device,
+                     a.save_every, a.resume)
 
 
 def _flag_defaults() -> dict:
@@ -101,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse(argv)
         load_tokens(args.data, args.seq)  # fail here, in one line, rather than in every rank
-    except (UsageError, DataError, ConfigError) as e:
+    except (UsageError, DataError, ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.config.ignored:

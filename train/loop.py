@@ -14,6 +14,7 @@ import torch.distributed as dist
 import zerofunc
 from sim.memory import MemoryTracker
 from train.data import load_tokens, rank_batch
+from zerofunc import checkpoint
 from zerofunc.comm import DistCommunicator
 from zerofunc.config import Config
 from zerofunc.models import GPT, model_config
@@ -32,6 +33,8 @@ class TrainArgs:
     data: Optional[str]
     out: str
     device: str  # "cpu" or "cuda"
+    save_every: int = 0   # save a checkpoint every K steps (0: never)
+    resume: bool = False  # continue from the newest checkpoint under `out`
 
 
 def rank_device(kind: str) -> torch.device:
@@ -57,11 +60,14 @@ def train_rank(args: TrainArgs) -> dict:
     cfg = args.config
     engine = zerofunc.initialize(model, cfg, device=device, comm=comm, memory=tracker,
                                  init=lambda name, shape: model.init_param(name, shape, args.seed))
-    metrics = _open_metrics(args.out) if rank == 0 else None
+    first = 1
+    if args.resume:
+        first = checkpoint.load(engine, args.out)["step"] + 1
+    metrics = _open_metrics(args.out, keep_through=first - 1) if rank == 0 else None
     tokens_per_step = cfg.train_batch_size * args.seq
     start = time.perf_counter()
     loss_mean = float("nan")
-    for step in range(1, args.steps + 1):
+    for step in range(first, args.steps + 1):
         t0 = time.perf_counter()
         micro_batches = [[t.to(device) for t in rank_batch(tokens, step, cfg.micro_batch, world, rank, args.seq,
                                                            args.seed, cfg.grad_accum, j)]
@@ -87,12 +93,24 @@ def train_rank(args: TrainArgs) -> dict:
             metrics.flush()
             print(f"step {step:5d}/{args.steps}  loss {loss_mean:.4f}  {tokens_per_step / step_s:9.0f} tok/s",
                   flush=True)
+        if args.save_every and step % args.save_every == 0:
+            checkpoint.save(engine, args.out, step, extra={"model": args.model, "seed": args.seed})
     if metrics is not None:
         metrics.close()
     return {"final_loss": loss_mean, "elapsed_s": time.perf_counter() - start}
 
 
-def _open_metrics(out: str):
+def _open_metrics(out: str, keep_through: int):
+    """metrics.jsonl for appending, keeping the rows of steps <= `keep_through` (0: a new file).
+
+    A resumed run continues the same file; rows a killed run wrote after its last
+    checkpoint are dropped, since those steps run again.
+    """
     path = Path(out)
     path.mkdir(parents=True, exist_ok=True)
-    return open(path / "metrics.jsonl", "w")
+    file = path / "metrics.jsonl"
+    kept = []
+    if keep_through and file.exists():
+        kept = [line for line in file.read_text().splitlines() if json.loads(line)["step"] <= keep_through]
+    file.write_text("".join(line + "\n" for line in kept))
+    return open(file, "a")

@@ -246,16 +246,25 @@ class ZeroEngine:
             with self.memory.category("other"):
                 grad = unit.grad.float() if factor == 1.0 else unit.grad.float().mul_(factor)
                 adamw_(unit.master, grad, unit.m, unit.v, self.step_count, self.optim, lr=lr)
-            if self.stage.shard_optimizer and not self.stage.shard_params:
-                # Whole weights from every rank's shard. A fresh input even in fp32: not
-                # every backend gathers from a slice of its own output in place.
-                with self.memory.category("buffers"):
-                    send = unit.master.to(unit.params.dtype, copy=True)
-                self.comm.all_gather(unit.params, send, tag="params.step")
-            elif unit.master.dtype != unit.params.dtype:  # 16-bit stages 0 and 3: same span, new rounding
-                unit.params.copy_(unit.master)
+            self._refresh(unit, tag="params.step")
         self._clear_grads()
         return True
+
+    @torch.no_grad()
+    def refresh_params(self) -> None:
+        """Make the weights the forward uses match the fp32 masters (after loading a checkpoint)."""
+        for unit in self.units:
+            self._refresh(unit, tag="params.load")
+
+    def _refresh(self, unit: Unit, tag: str) -> None:
+        if self.stage.shard_optimizer and not self.stage.shard_params:
+            # Whole weights from every rank's shard. A fresh input even in fp32: not
+            # every backend gathers from a slice of its own output in place.
+            with self.memory.category("buffers"):
+                send = unit.master.to(unit.params.dtype, copy=True)
+            self.comm.all_gather(unit.params, send, tag=tag)
+        elif unit.master.dtype != unit.params.dtype:  # 16-bit stages 0 and 3: same span, new rounding
+            unit.params.copy_(unit.master)
 
     def _unscale_and_clip(self) -> Optional[float]:
         """What to multiply the gradients by: 1 / loss scale, times the clip coefficient.

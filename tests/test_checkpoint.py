@@ -1,0 +1,119 @@
+"""Sharded checkpoints: bit-exact resume, resharding across world sizes and stages, consolidation."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from train.cli import main
+from zerofunc.consolidate import main as consolidate
+from zerofunc.models import GPT, model_config
+
+SMALL = ["--seq", "32", "--micro-batch", "2", "--device", "cpu"]
+
+
+def losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_resume_is_bit_exact(tmp_path, stage):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    flags = SMALL + ["--stage", str(stage)]
+    if stage == 2:
+        flags += ["--precision", "fp16"]  # the loss scaler's state is resumed too
+    assert main(flags + ["--steps", "4", "--out", str(straight)]) == 0
+    assert main(flags + ["--steps", "2", "--save-every", "2", "--out", str(resumed)]) == 0
+    assert main(flags + ["--steps", "4", "--resume", "--out", str(resumed)]) == 0
+    assert losses(resumed) == losses(straight)  # exactly, and the metrics file continues
+
+
+def test_resume_at_another_world_size_and_stage(tmp_path):
+    """Saved by stage 3 on 2 ranks; resumed by stage 1 on 1 rank and stage 2 on 3 ranks, same global batch."""
+    straight = tmp_path / "straight"
+    assert main(SMALL[:2] + ["--micro-batch", "6", "--nproc", "1", "--stage", "0", "--steps", "4",
+                             "--out", str(straight), "--device", "cpu"]) == 0
+    saved = tmp_path / "saved"
+    assert main(SMALL[:2] + ["--micro-batch", "3", "--nproc", "2", "--stage", "3", "--steps", "2",
+                             "--save-every", "2", "--out", str(saved), "--device", "cpu"]) == 0
+    for name, nproc, mb, stage in [("one", 1, 6, 1), ("three", 3, 2, 2)]:
+        run = tmp_path / name
+        shutil.copytree(saved, run)
+        assert main(SMALL[:2] + ["--micro-batch", str(mb), "--nproc", str(nproc), "--stage", str(stage),
+                                 "--steps", "4", "--resume", "--out", str(run), "--device", "cpu"]) == 0
+        worst = max(abs(a - b) / b for a, b in zip(losses(run), losses(straight)))
+        assert len(losses(run)) == 4 and worst <= 1e-5, f"{name}: {worst:.2e}"
+
+
+def test_consolidate_round_trips(tmp_path):
+    run = tmp_path / "run"
+    assert main(SMALL + ["--stage", "3", "--steps", "2", "--save-every", "2", "--out", str(run)]) == 0
+    out = tmp_path / "model.safetensors"
+    assert consolidate([str(run), str(out)]) == 0
+    weights = load_file(str(out))
+    model = GPT(model_config("gpt2-tiny"))
+    model.load_state_dict(weights)  # strict: every parameter, right shapes
+    # The same weights through a different path: load the checkpoint into a 1-rank stage-0 model.
+    step_dir = run / "checkpoints" / (run / "checkpoints" / "latest").read_text()
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    shards = [load_file(str(step_dir / f)) for f in manifest["files"]]
+    i = next(k for k, u in enumerate(manifest["units"]) if u["name"] == "h.1")
+    flat = torch.cat([s[f"{i}.master"] for s in shards])
+    name, shape = manifest["units"][i]["params"][0]
+    assert torch.equal(weights[name], flat[:torch.Size(shape).numel()].reshape(shape))
+    # A trained model differs from its initialization.
+    assert not torch.equal(weights[name], model.init_param(name, tuple(shape), 0))
+
+
+def test_a_killed_save_leaves_the_previous_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    assert main(SMALL + ["--steps", "2", "--save-every", "2", "--out", str(run)]) == 0
+    partial = run / "checkpoints" / ".step-00000004.partial"  # what a save killed midway leaves
+    partial.mkdir()
+    (partial / "rank-00000.safetensors").write_bytes(b"\x00" * 100)
+    assert main(SMALL + ["--steps", "3", "--resume", "--out", str(run)]) == 0
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
+def corrupt(run: Path) -> None:
+    step = run / "checkpoints" / (run / "checkpoints" / "latest").read_text()
+    shard = step / "rank-00001.safetensors"
+    shard.write_bytes(shard.read_bytes()[:200])
+
+
+@pytest.mark.parametrize("damage, message", [
+    (None, "no checkpoint at"),
+    (corrupt, "is corrupt"),
+    (lambda run: (run / "checkpoints" / "latest").write_text("step-00000099"), "not a complete checkpoint"),
+])
+def test_bad_resume_is_one_line(tmp_path, capsys, damage, message):
+    run = tmp_path / "run"
+    if damage is not None:
+        assert main(SMALL + ["--stage", "2", "--steps", "1", "--save-every", "1", "--out", str(run)]) == 0
+        damage(run)
+        capsys.readouterr()
+    assert main(SMALL + ["--steps", "3", "--resume", "--out", str(run)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err
+
+
+def test_resume_with_another_model_is_refused(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(SMALL + ["--steps", "1", "--save-every", "1", "--out", str(run)]) == 0
+    capsys.readouterr()
+    assert main(["--model", "gpt2-small", "--seq", "32", "--micro-batch", "1", "--steps", "2", "--resume",
+                 "--out", str(run)]) == 2
+    assert "holds a different model" in capsys.readouterr().err
+
+
+def test_consolidate_command_line_errors(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "zerofunc.consolidate", str(tmp_path / "none"),
+                           str(tmp_path / "x.safetensors")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: no checkpoint at") and "Traceback" not in proc.stderr
+    assert not (tmp_path / "x.safetensors").exists()

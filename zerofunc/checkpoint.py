@@ -1,0 +1,197 @@
+"""Sharded checkpoints: each rank saves what its optimizer owns; any world size or stage loads them.
+
+Layout under a run directory:
+
+    checkpoints/step-00000100/manifest.json       what was saved, by whom, at which step
+    checkpoints/step-00000100/rank-00000.safetensors   per unit: fp32 master, m, v of the rank's span
+    checkpoints/latest                            the name of the newest complete checkpoint
+
+A save writes into a temporary directory, renames it into place, and only then
+replaces `latest` (both renames are atomic), so a run killed mid-save still resumes
+from the previous checkpoint.
+
+Resharding works because a unit's parameters sit in the same order at every world
+size and stage; only the padding and the shard boundaries move. A loading rank reads,
+from each saved shard, just the elements of the span it now owns.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from zerofunc.engine import ZeroEngine
+
+FORMAT = "zerofunc-checkpoint-1"
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.safetensors"
+
+
+def _owned_span(engine: ZeroEngine, unit) -> tuple[int, int]:
+    """The [start, stop) of the unit's padded flat buffer that this rank's optimizer owns."""
+    if engine.stage.shard_optimizer:
+        return unit.layout.shard_range(engine.comm.rank)
+    return 0, unit.layout.padded_numel
+
+
+def save(engine: ZeroEngine, run_dir: str | Path, step: int, extra: Optional[dict] = None) -> Path:
+    """Save the engine's state as of training step `step`; collective over all ranks."""
+    root = Path(run_dir) / "checkpoints"
+    name = f"step-{step:08d}"
+    tmp = root / f".{name}.partial"
+    rank, world = engine.comm.rank, engine.comm.world_size
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    if engine.stage.shard_optimizer or rank == 0:  # stage 0: every rank holds the same state
+        tensors = {}
+        for i, unit in enumerate(engine.units):
+            for kind in ("master", "m", "v"):
+                tensors[f"{i}.{kind}"] = getattr(unit, kind).detach().cpu().contiguous()
+        save_file(tensors, str(tmp / _rank_file(rank)))
+    dist.barrier()
+    if rank == 0:
+        manifest = {
+            "format": FORMAT, "step": step, "optimizer_steps": engine.step_count, "world_size": world,
+            "stage": engine.stage.level,
+            "files": [_rank_file(r) for r in (range(world) if engine.stage.shard_optimizer else [0])],
+            "units": [{"name": u.name, "numel": u.layout.numel, "padded_numel": u.layout.padded_numel,
+                       "params": [[s.name, list(s.shape)] for s in u.layout.slots]} for u in engine.units],
+            "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler else None,
+            "skipped_steps": engine.skipped_steps, "extra": extra or {},
+        }
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        final = root / name
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        latest_tmp = root / ".latest.partial"
+        latest_tmp.write_text(name)
+        os.replace(latest_tmp, root / "latest")
+    dist.barrier()
+    return root / name
+
+
+def resolve(path: str | Path) -> Path:
+    """A checkpoint directory: the path itself, or the newest one under a run directory."""
+    p = Path(path)
+    if (p / "manifest.json").is_file():
+        return p
+    latest = p / "checkpoints" / "latest"
+    if latest.is_file():
+        target = p / "checkpoints" / latest.read_text().strip()
+        if (target / "manifest.json").is_file():
+            return target
+        raise CheckpointError(f"{latest} names {target.name}, which is not a complete checkpoint")
+    raise CheckpointError(f"no checkpoint at {p}: neither a checkpoint directory nor a run directory with one")
+
+
+def read_manifest(ckpt: Path) -> dict:
+    try:
+        manifest = json.loads((ckpt / "manifest.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint {ckpt} has an unreadable manifest: {e}") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {ckpt} is not a {FORMAT} checkpoint")
+    missing = [f for f in manifest["files"] if not (ckpt / f).is_file()]
+    if missing:
+        raise CheckpointError(f"checkpoint {ckpt} is missing {', '.join(missing)}")
+    return manifest
+
+
+def verify(path: str | Path, units: list[list]) -> dict:
+    """Check a checkpoint before any rank starts: its manifest, every shard's header, and that
+    its parameters are `units` (per unit, [name, shape] pairs). Returns the manifest."""
+    ckpt = resolve(path)
+    manifest = read_manifest(ckpt)
+    if [u["params"] for u in manifest["units"]] != units:
+        raise CheckpointError(f"checkpoint {ckpt} holds a different model (its parameters do not match)")
+    for f in manifest["files"]:
+        try:
+            with safe_open(str(ckpt / f), framework="pt") as h:
+                for i, u in enumerate(manifest["units"]):
+                    for kind in ("master", "m", "v"):
+                        size = h.get_slice(f"{i}.{kind}").get_shape()[0]
+                        expected = u["padded_numel"] // (len(manifest["files"]) if len(manifest["files"]) > 1 else 1)
+                        if size != expected:
+                            raise CheckpointError(f"checkpoint {ckpt}: {f} holds {size} elements of unit {i}, "
+                                                  f"expected {expected}")
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"checkpoint {ckpt}: {f} is corrupt ({type(e).__name__}: {e})") from None
+    return manifest
+
+
+def _saved_spans(manifest: dict, unit_index: int) -> list[tuple[str, int, int]]:
+    """(file, start, stop) of each saved shard of a unit, in its padded flat buffer."""
+    unit = manifest["units"][unit_index]
+    if len(manifest["files"]) == 1:
+        return [(manifest["files"][0], 0, unit["padded_numel"])]
+    size = unit["padded_numel"] // manifest["world_size"]
+    return [(f, r * size, (r + 1) * size) for r, f in enumerate(manifest["files"])]
+
+
+def load(engine: ZeroEngine, path: str | Path) -> dict:
+    """Load a checkpoint saved at any world size or stage into `engine`; returns the manifest."""
+    ckpt = resolve(path)
+    manifest = read_manifest(ckpt)
+    layout_now = [[[s.name, list(s.shape)] for s in u.layout.slots] for u in engine.units]
+    if layout_now != [u["params"] for u in manifest["units"]]:
+        raise CheckpointError(f"checkpoint {ckpt} holds a different model (its parameters do not match)")
+    handles = {}
+    try:
+        handles = {f: safe_open(str(ckpt / f), framework="pt") for f in manifest["files"]}
+        for i, unit in enumerate(engine.units):
+            start, stop = _owned_span(engine, unit)
+            for kind in ("master", "m", "v"):
+                target = getattr(unit, kind)
+                with torch.no_grad():
+                    target.zero_()  # padding stays zero
+                    for f, lo, hi in _saved_spans(manifest, i):
+                        a, b = max(lo, start), min(hi, stop, unit.layout.numel)
+                        if a < b:
+                            piece = handles[f].get_slice(f"{i}.{kind}")[a - lo:b - lo]
+                            target[a - start:b - start].copy_(piece)
+    except CheckpointError:
+        raise
+    except Exception as e:  # a truncated or corrupt shard file
+        raise CheckpointError(f"checkpoint {ckpt} is corrupt: {type(e).__name__}: {e}") from None
+    engine.step_count = manifest["optimizer_steps"]
+    engine.skipped_steps = manifest.get("skipped_steps", 0)
+    if engine.loss_scaler is not None and manifest.get("loss_scaler"):
+        for key, value in manifest["loss_scaler"].items():
+            setattr(engine.loss_scaler, key, value)
+    engine.refresh_params()
+    return manifest
+
+
+def consolidated(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every parameter, whole, in fp32, from a checkpoint's masters (no process group needed)."""
+    ckpt = resolve(path)
+    manifest = read_manifest(ckpt)
+    out = {}
+    with_handles = {f: safe_open(str(ckpt / f), framework="pt") for f in manifest["files"]}
+    for i, unit in enumerate(manifest["units"]):
+        flat = torch.cat([with_handles[f].get_tensor(f"{i}.master") for f, _, _ in _saved_spans(manifest, i)])
+        offset = 0
+        for name, shape in unit["params"]:
+            n = 1
+            for s in shape:
+                n *= s
+            out[name] = flat[offset:offset + n].reshape(shape).clone()
+            offset += n
+    return out
