@@ -56,6 +56,8 @@ def test_dropout_keeps_rank_counts_equivalent(tmp_path):
     (["--steps", "0"], "--steps must be at least 1"),
     (["--lr", "-1"], "--lr must be positive"),
     (["--dropout", "1"], "--dropout must lie in [0, 1)"),
+    (["--plot", "loss.jpg"], "--plot writes a PNG"),
+    (["--grad-accum", "0"], "--grad-accum must be at least 1"),
     (["--data", "/no/such/file"], "does not exist"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, flags, message):
@@ -133,3 +135,12 @@ def test_bad_config_is_one_line_and_writes_nothing(tmp_path, capsys, content, me
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and message in err and "\n" not in err
     assert not out.exists()
+
+
+def test_summary_lists_every_rank_and_plot_draws_the_loss(tmp_path, capfd):
+    png = tmp_path / "loss.png"
+    assert main(["--steps", "3", "--seq", "32", "--out", str(tmp_path / "run"), "--plot", str(png),
+                 "--device", "cpu"]) == 0
+    out = capfd.readouterr().out
+    assert "done: 3 steps" in out and "rank 0: " in out and "rank 1: " in out and "per step" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

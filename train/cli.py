@@ -47,6 +47,7 @@ def parse(argv: list[str] | None) -> TrainArgs:
     p.add_argument("--out", default="runs/latest", help="directory for metrics.jsonl and checkpoints")
     p.add_argument("--save-every", type=int, default=0, help="save a sharded checkpoint every K steps (0: never)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint under --out")
+    p.add_argument("--plot", metavar="FILE.png", default=None, help="draw the loss curve at the end")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA if available")
     a = p.parse_args(argv)
 
@@ -54,6 +55,8 @@ def parse(argv: list[str] | None) -> TrainArgs:
         raise UsageError(f"unknown model {a.model!r}; choose one of {', '.join(MODELS)}")
     if a.stage is not None and a.stage not in (0, 1, 2, 3):
         raise UsageError(f"--stage must be 0, 1, 2 or 3, got {a.stage}")
+    if a.plot is not None and not a.plot.lower().endswith(".png"):
+        raise UsageError(f"--plot writes a PNG; give a file name ending in .png, not {a.plot!r}")
     if a.save_every < 0:
         raise UsageError(f"--save-every must be >= 0, got {a.save_every}")
     for flag in ("nproc", "steps", "micro_batch", "grad_accum", "seq"):
@@ -82,7 +85,7 @@ def parse(argv: list[str] | None) -> TrainArgs:
         units = [[[n, list(p.shape)] for n, p in named] for _, _, named in partition(model, model.shard_units())]
         checkpoint.verify(a.out, units)
     return TrainArgs(a.model, config, a.nproc, a.steps, a.seq, a.dropout, a.seed, a.data, a.out, device,
-                     a.save_every, a.resume)
+                     a.save_every, a.resume, a.plot)
 
 
 def _flag_defaults() -> dict:

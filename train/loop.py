@@ -14,6 +14,7 @@ import torch.distributed as dist
 import zerofunc
 from sim.memory import MemoryTracker
 from train.data import load_tokens, rank_batch
+from train.report import Progress, plot_loss, summary
 from zerofunc import checkpoint
 from zerofunc.comm import DistCommunicator
 from zerofunc.config import Config
@@ -35,6 +36,7 @@ class TrainArgs:
     device: str  # "cpu" or "cuda"
     save_every: int = 0   # save a checkpoint every K steps (0: never)
     resume: bool = False  # continue from the newest checkpoint under `out`
+    plot: Optional[str] = None  # draw the loss curve to this PNG at the end
 
 
 def rank_device(kind: str) -> torch.device:
@@ -65,8 +67,10 @@ def train_rank(args: TrainArgs) -> dict:
         first = checkpoint.load(engine, args.out)["step"] + 1
     metrics = _open_metrics(args.out, keep_through=first - 1) if rank == 0 else None
     tokens_per_step = cfg.train_batch_size * args.seq
+    progress = Progress(first, args.steps) if rank == 0 else None
     start = time.perf_counter()
     loss_mean = float("nan")
+    totals = {"peak_bytes": 0, "comm_bytes": 0, "tokens": 0}
     for step in range(first, args.steps + 1):
         t0 = time.perf_counter()
         micro_batches = [[t.to(device) for t in rank_batch(tokens, step, cfg.micro_batch, world, rank, args.seq,
@@ -82,22 +86,33 @@ def train_rank(args: TrainArgs) -> dict:
             loss = train_step(engine, micro_batches)
         loss_mean = loss.item()
         step_s = time.perf_counter() - t0
+        peak = tracker.peak if tracker is not None else torch.cuda.max_memory_allocated(device)
+        volume = comm.ledger.volume_bytes()
+        totals["peak_bytes"] = max(totals["peak_bytes"], peak)
+        totals["comm_bytes"] += volume
+        totals["tokens"] += tokens_per_step
         if metrics is not None:
             row = {"step": step, "loss": loss_mean, "tokens": step * tokens_per_step, "time_s": step_s,
-                   "elapsed_s": time.perf_counter() - start, "comm_volume_bytes": comm.ledger.volume_bytes(),
-                   "peak_bytes": tracker.peak if tracker is not None else torch.cuda.max_memory_allocated(device),
-                   "lr": cfg.lr(engine.step_count) if engine.step_count else cfg.lr(1)}
+                   "elapsed_s": time.perf_counter() - start, "comm_volume_bytes": volume, "peak_bytes": peak,
+                   "lr": cfg.lr(max(engine.step_count, 1))}
             if engine.loss_scaler is not None:
                 row |= {"loss_scale": engine.loss_scaler.scale, "skipped_steps": engine.skipped_steps}
             metrics.write(json.dumps(row) + "\n")
             metrics.flush()
-            print(f"step {step:5d}/{args.steps}  loss {loss_mean:.4f}  {tokens_per_step / step_s:9.0f} tok/s",
-                  flush=True)
+            progress.update(step, loss_mean, tokens_per_step / step_s, peak)
         if args.save_every and step % args.save_every == 0:
             checkpoint.save(engine, args.out, step, extra={"model": args.model, "seed": args.seed})
-    if metrics is not None:
+    totals |= {"final_loss": loss_mean, "elapsed_s": time.perf_counter() - start}
+    per_rank = [None] * world
+    dist.all_gather_object(per_rank, totals)  # every rank's peak, for the summary
+    if rank == 0:
         metrics.close()
-    return {"final_loss": loss_mean, "elapsed_s": time.perf_counter() - start}
+        progress.close()
+        if args.steps >= first:
+            print(summary(per_rank, args.steps - first + 1), flush=True)
+        if args.plot:
+            plot_loss(Path(args.out) / "metrics.jsonl", Path(args.plot))
+    return totals
 
 
 def _open_metrics(out: str, keep_through: int):
