@@ -65,8 +65,15 @@ def default_units(model: nn.Module) -> list[str]:
 
 
 def _release_module_weights(model: nn.Module) -> None:
-    """Swap the module's parameters for meta tensors: the engine's buffers hold the weights now."""
+    """Swap the module's parameters for meta tensors: the engine's buffers hold the weights now.
+
+    A parameter shared by two modules (a tied output head) gets one replacement, so the
+    tie survives and functional_call still binds both names.
+    """
+    replacement: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for key, p in list(module._parameters.items()):
             if p is not None and p.device.type != "meta":
-                module._parameters[key] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+                if id(p) not in replacement:
+                    replacement[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+                module._parameters[key] = replacement[id(p)]
