@@ -86,3 +86,25 @@ def check_ledgers(max_examples):
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_one_step_moves_the_paper_volumes(world_size):
     assert all(in_world(world_size, check_ledgers, 3))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_accumulation_communicates_as_the_stage_says(stage):
+    """Stages 0-1 send nothing on a micro-step before the boundary; stages 2-3 reduce-scatter every micro-step."""
+    from zerofunc.models import model_config
+    comm = RecordingCommunicator(0, 4)
+    with torch.device("meta"):
+        model = GPT(model_config("gpt2-tiny", n_layer=2))
+    engine = ZeroEngine(model, STAGES[stage], comm, AdamWConfig(), device="meta", grad_accum=3)
+    x = torch.zeros(2, 16, dtype=torch.long, device="meta")
+    per_micro_step = []
+    for _ in range(3):
+        before = len(comm.ledger)
+        engine.backward(engine(x, x))
+        per_micro_step.append([(e.op, e.tag) for e in comm.ledger.entries[before:] if e.tag == "grads"])
+        assert not engine.step() or len(per_micro_step) == 3
+    units = len(engine.units)
+    if stage <= 1:
+        assert per_micro_step[:2] == [[], []] and len(per_micro_step[2]) == units
+    else:
+        assert all(len(m) == units and {op for op, _ in m} == {"reduce_scatter"} for m in per_micro_step)
