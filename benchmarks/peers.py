@@ -1,0 +1,265 @@
+"""zerofunc next to its peers: the same GPT, data, seed and 2 gloo ranks through each.
+
+    python benchmarks/peers.py --model tiny|30m [--steps K] [--warmup W] [--impl NAME ...] [--json]
+
+Implementations (each in its own fresh 2-rank world, one thread per rank):
+  zerofunc stages 0-3; DeepSpeed stages 0-3 ("gradient_clipping": 0.0, torch's AdamW,
+  "memory_efficient_linear": false at stage 3); PyTorch DDP; DDP +
+  ZeroRedundancyOptimizer; FSDP2 `fully_shard` with reshard_after_forward False and True.
+
+Every implementation starts from the same weights (`GPT.init_param(name, shape, 0)`),
+sees the same global batch at every step (`train.data.rank_batch`), and uses AdamW
+lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0.01, fp32, no dropout.
+
+Reported per implementation: the median step time over steps W+1..K (a barrier before
+each step starts; the time runs to after the optimizer step, taken on rank 0), each
+rank's peak resident memory (getrusage ru_maxrss), the loss of step K (forward of the
+K-th step, averaged over the ranks), and the ratio of time and memory to zerofunc at
+the matching stage. Stage matching for peers without stages: DDP ~ 0,
+ZeroRedundancyOptimizer ~ 1, FSDP2 reshard False ~ 2, reshard True ~ 3.
+
+The peers are optional dependencies: one whose import fails is reported "not installed".
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `train` lives at the repo root
+
+import torch
+
+WORLD = 2
+SEQ = 128
+MICRO_BATCH = 4
+SEED = 0
+OPT = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+
+MODELS = {
+    # name: (model_config base, overrides, default steps, default warm-up)
+    "tiny": ("gpt2-tiny", dict(dropout=0.0), 20, 5),
+    "30m": ("gpt2-small", dict(n_layer=6, n_embd=640, n_head=10, vocab_size=256, block_size=SEQ, dropout=0.0), 12, 3),
+}
+
+# impl name -> (family, stage, matching zerofunc stage)
+IMPLS = {
+    "zerofunc-0": ("zerofunc", 0, 0),
+    "zerofunc-1": ("zerofunc", 1, 1),
+    "zerofunc-2": ("zerofunc", 2, 2),
+    "zerofunc-3": ("zerofunc", 3, 3),
+    "deepspeed-0": ("deepspeed", 0, 0),
+    "deepspeed-1": ("deepspeed", 1, 1),
+    "deepspeed-2": ("deepspeed", 2, 2),
+    "deepspeed-3": ("deepspeed", 3, 3),
+    "ddp": ("ddp", None, 0),
+    "zero-redundancy-opt": ("zro", None, 1),
+    "fsdp2-reshard-false": ("fsdp2", False, 2),
+    "fsdp2-reshard-true": ("fsdp2", True, 3),
+}
+REQUIRES = {"deepspeed": "deepspeed"}  # family -> importable module it needs
+
+
+def build_model(model_name: str):
+    """The GPT on CPU with the weights init_param gives for seed SEED: the same for every impl."""
+    from zerofunc.models import GPT, model_config
+    base, overrides, _, _ = MODELS[model_name]
+    model = GPT(model_config(base, **overrides))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(model.init_param(name, tuple(p.shape), SEED))
+    return model
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def run_rank(impl: str, model_name: str, steps: int, warmup: int) -> dict:
+    """One rank of one implementation; runs inside zerofunc.launch.spawn."""
+    import torch.distributed as dist
+    from train.data import load_tokens, rank_batch
+
+    import warnings
+    sys.stdout.flush()
+    os.dup2(2, 1)  # peers print to stdout (DeepSpeed's op build, its logs): keep the parent's stdout for the table/JSON
+    warnings.filterwarnings("ignore", category=FutureWarning)  # deprecated collective names, from any impl
+    torch.set_num_threads(1)
+    torch.manual_seed(SEED)
+    family, stage, _ = IMPLS[impl]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tokens = load_tokens(None, SEQ)
+    model = build_model(model_name)
+    n_params = sum(p.numel() for p in model.parameters())
+
+    if family == "zerofunc":
+        import zerofunc
+        engine = zerofunc.initialize(model, {
+            "train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": stage},
+            "optimizer": {"type": "AdamW", "params": {**OPT, "betas": list(OPT["betas"])}}})
+
+        def train_step(x, y):
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            return loss
+    elif family == "deepspeed":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        os.environ.setdefault("LOCAL_RANK", str(rank))
+        import deepspeed
+        zero = {"stage": stage}
+        if stage == 3:
+            zero["memory_efficient_linear"] = False  # else it swaps F.linear process-wide (different rounding)
+        config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1,
+                  "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 unless told otherwise
+                  "zero_optimization": zero, "zero_allow_untested_optimizer": True,
+                  "steps_per_print": 10**9, "wall_clock_breakdown": False}
+        opt = torch.optim.AdamW(model.parameters(), **OPT)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+
+        def train_step(x, y):
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            return loss
+    elif family in ("ddp", "zro"):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        ddp = DDP(model)
+        if family == "zro":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+            opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, **OPT)
+        else:
+            opt = torch.optim.AdamW(ddp.parameters(), **OPT)
+
+        def train_step(x, y):
+            loss = ddp(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+    elif family == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+        for block in model.h:
+            fully_shard(block, reshard_after_forward=stage)
+        fully_shard(model, reshard_after_forward=stage)
+        opt = torch.optim.AdamW(model.parameters(), **OPT)
+
+        def train_step(x, y):
+            loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+    else:
+        raise ValueError(f"unknown implementation {impl}")
+
+    times, losses = [], []
+    for step in range(1, steps + 1):
+        x, y, _ = rank_batch(tokens, step, MICRO_BATCH, world, rank, SEQ, SEED)
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = train_step(x, y)
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+    dist.barrier()
+    final = torch.tensor([losses[-1]], dtype=torch.float64)
+    dist.all_reduce(final)
+    return {"rank": rank, "times": times, "final_loss": float(final) / world,
+            "peak_rss_bytes": _peak_rss_bytes(), "n_params": n_params}
+
+
+def run_impl(impl: str, model_name: str, steps: int, warmup: int) -> dict:
+    from zerofunc.launch import RankError, spawn
+    family, stage, zstage = IMPLS[impl]
+    row = {"impl": impl, "stage": zstage if family != "zerofunc" and family != "deepspeed" else stage,
+           "step_time_s": None, "peak_rss_bytes": None, "final_loss": None, "status": "ok"}
+    need = REQUIRES.get(family)
+    if need and importlib.util.find_spec(need) is None:
+        row["status"] = "not installed"
+        return row
+    t0 = time.perf_counter()
+    try:
+        out = spawn(run_rank, WORLD, impl, model_name, steps, warmup)
+    except RankError as e:
+        msg = str(e)
+        if "ModuleNotFoundError" in msg or "ImportError" in msg:
+            row["status"] = "not installed"
+        else:
+            row["status"] = "failed: " + msg.strip().splitlines()[-1][:200]
+        row["error"] = msg
+        return row
+    row["wall_s"] = time.perf_counter() - t0
+    row["step_time_s"] = statistics.median(out[0]["times"][warmup:])
+    row["peak_rss_bytes"] = [r["peak_rss_bytes"] for r in out]
+    row["final_loss"] = out[0]["final_loss"]
+    row["n_params"] = out[0]["n_params"]
+    return row
+
+
+def _fmt_mib(b) -> str:
+    return "-" if b is None else f"{b / 2**20:.0f}"
+
+
+def print_table(rows: list[dict], model_name: str, steps: int, warmup: int) -> None:
+    zf = {r["stage"]: r for r in rows if r["impl"].startswith("zerofunc-") and r["status"] == "ok"}
+    n = next((r["n_params"] for r in rows if r.get("n_params")), None)
+    print(f"model {model_name} ({n:,} parameters), {WORLD} gloo ranks, seq {SEQ}, micro-batch {MICRO_BATCH}/rank, "
+          f"fp32, {steps} steps, median over steps {warmup + 1}-{steps}" if n else f"model {model_name}")
+    head = (f"{'impl':<22}{'stage':>6}{'step s':>9}{'x zf':>7}{'rss0 MiB':>10}{'rss1 MiB':>10}"
+            f"{'rss x zf':>9}{'loss@K':>12}{'dloss rel':>11}  status")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        ref = zf.get(r["stage"])
+        if r["status"] != "ok":
+            print(f"{r['impl']:<22}{r['stage']:>6}{'-':>9}{'-':>7}{'-':>10}{'-':>10}{'-':>9}{'-':>12}{'-':>11}  {r['status']}")
+            continue
+        tr = f"{r['step_time_s'] / ref['step_time_s']:.2f}" if ref else "-"
+        mr = f"{max(r['peak_rss_bytes']) / max(ref['peak_rss_bytes']):.2f}" if ref else "-"
+        dl = f"{abs(r['final_loss'] - ref['final_loss']) / abs(ref['final_loss']):.1e}" if ref else "-"
+        rss = r["peak_rss_bytes"]
+        print(f"{r['impl']:<22}{r['stage']:>6}{r['step_time_s']:>9.3f}{tr:>7}{_fmt_mib(rss[0]):>10}"
+              f"{_fmt_mib(rss[1]):>10}{mr:>9}{r['final_loss']:>12.6f}{dl:>11}  ok")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    ap.add_argument("--steps", type=int, help="K: steps per implementation (the loss is reported after K)")
+    ap.add_argument("--warmup", type=int, help="W: steps left out of the median")
+    ap.add_argument("--impl", nargs="+", choices=list(IMPLS), help="run only these (default: all)")
+    ap.add_argument("--json", action="store_true", help="also print the rows as a JSON list")
+    args = ap.parse_args(argv)
+    _, _, k, w = MODELS[args.model]
+    steps = args.steps if args.steps is not None else k
+    warmup = args.warmup if args.warmup is not None else w
+    if not 0 <= warmup < steps:
+        ap.error(f"need 0 <= --warmup < --steps, got {warmup} and {steps}")
+    impls = args.impl or list(IMPLS)
+    if any(IMPLS[i][0] != "zerofunc" for i in impls):  # ratios need the zerofunc rows
+        impls = [i for i in IMPLS if i in impls or IMPLS[i][0] == "zerofunc"]
+    rows = []
+    for impl in impls:
+        row = run_impl(impl, args.model, steps, warmup)
+        print(f"# {impl}: {row['status']}"
+              + (f" ({row['wall_s']:.1f} s)" if "wall_s" in row else ""), file=sys.stderr, flush=True)
+        rows.append(row)
+    print_table(rows, args.model, steps, warmup)
+    for r in rows:
+        if r["status"] != "ok" and "error" in r:
+            print(f"\n{r['impl']} {r['status']}", file=sys.stderr)
+    if args.json:
+        print(json.dumps([{k: r[k] for k in ("impl", "stage", "step_time_s", "peak_rss_bytes", "final_loss")}
+                          | ({"status": r["status"]} if r["status"] != "ok" else {}) for r in rows], indent=1))
+    return 0 if all(r["status"] in ("ok", "not installed") for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
