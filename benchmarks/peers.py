@@ -66,6 +66,17 @@ IMPLS = {
 REQUIRES = {"deepspeed": "deepspeed"}  # family -> importable module it needs
 
 
+def torch_step(module, opt):
+    """One plain PyTorch training step (DDP, ZeroRedundancyOptimizer, FSDP2 all train this way)."""
+    def step(x, y):
+        loss = module(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return step
+
+
 def build_model(model_name: str):
     """The GPT on CPU with the weights init_param gives for seed SEED: the same for every impl."""
     from zerofunc.models import GPT, model_config
@@ -137,26 +148,13 @@ def run_rank(impl: str, model_name: str, steps: int, warmup: int) -> dict:
             opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, **OPT)
         else:
             opt = torch.optim.AdamW(ddp.parameters(), **OPT)
-
-        def train_step(x, y):
-            loss = ddp(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss
+        train_step = torch_step(ddp, opt)
     elif family == "fsdp2":
         from torch.distributed.fsdp import fully_shard
         for block in model.h:
             fully_shard(block, reshard_after_forward=stage)
         fully_shard(model, reshard_after_forward=stage)
-        opt = torch.optim.AdamW(model.parameters(), **OPT)
-
-        def train_step(x, y):
-            loss = model(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss
+        train_step = torch_step(model, torch.optim.AdamW(model.parameters(), **OPT))
     else:
         raise ValueError(f"unknown implementation {impl}")
 
