@@ -109,7 +109,8 @@ def test_plan_json_schema_and_recommendation(capsys):
     for s in doc["stages"]:
         m = s["memory_bytes"]
         assert m["model_states"] == m["params"] + m["grads"] + m["optimizer"]
-        assert m["peak"] >= max(m.values()) - m["model_states"] + 0 and m["peak"] >= m["model_states"]
+        categories = [m[c] for c in ("params", "grads", "optimizer", "activations", "buffers", "other")]
+        assert max(categories) <= m["peak"] <= sum(categories)  # categories peak at different moments
         assert s["fits"] == (m["peak"] <= doc["capacity_bytes"])
         assert s["comm"]["volume_bytes"] > 0
     fitting = [s for s in doc["stages"] if s["fits"]]

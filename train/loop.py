@@ -94,9 +94,9 @@ def train_rank(args: TrainArgs) -> dict:
         if metrics is not None:
             row = {"step": step, "loss": loss_mean, "tokens": step * tokens_per_step, "time_s": step_s,
                    "elapsed_s": time.perf_counter() - start, "comm_volume_bytes": volume, "peak_bytes": peak,
-                   "lr": cfg.lr(max(engine.step_count, 1))}
-            if engine.loss_scaler is not None:
-                row |= {"loss_scale": engine.loss_scaler.scale, "skipped_steps": engine.skipped_steps}
+                   "lr": cfg.lr(max(engine.optimizer.step_count, 1))}
+            if engine.optimizer.loss_scaler is not None:
+                row |= {"loss_scale": engine.optimizer.loss_scaler.scale, "skipped_steps": engine.optimizer.skipped_steps}
             metrics.write(json.dumps(row) + "\n")
             metrics.flush()
             progress.update(step, loss_mean, tokens_per_step / step_s, peak)

@@ -28,6 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from zerofunc.engine import ZeroEngine
+from zerofunc.layout import FlatLayout
 
 FORMAT = "zerofunc-checkpoint-1"
 
@@ -65,14 +66,15 @@ def save(engine: ZeroEngine, run_dir: str | Path, step: int, extra: Optional[dic
         save_file(tensors, str(tmp / _rank_file(rank)))
     dist.barrier()
     if rank == 0:
+        opt = engine.optimizer
         manifest = {
-            "format": FORMAT, "step": step, "optimizer_steps": engine.step_count, "world_size": world,
+            "format": FORMAT, "step": step, "optimizer_steps": engine.optimizer.step_count, "world_size": world,
             "stage": engine.stage.level,
             "files": [_rank_file(r) for r in (range(world) if engine.stage.shard_optimizer else [0])],
             "units": [{"name": u.name, "numel": u.layout.numel, "padded_numel": u.layout.padded_numel,
                        "params": [[s.name, list(s.shape)] for s in u.layout.slots]} for u in engine.units],
-            "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler else None,
-            "skipped_steps": engine.skipped_steps, "extra": extra or {},
+            "loss_scaler": opt.loss_scaler.state_dict() if opt.loss_scaler else None,
+            "skipped_steps": opt.skipped_steps, "extra": extra or {},
         }
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
         final = root / name
@@ -117,23 +119,23 @@ def verify(path: str | Path, units: list[list]) -> dict:
     its parameters are `units` (per unit, [name, shape] pairs). Returns the manifest."""
     ckpt = resolve(path)
     manifest = read_manifest(ckpt)
+    _check_model(ckpt, manifest, units)
+    for i in range(len(manifest["units"])):
+        for f, lo, hi in _saved_spans(manifest, i):
+            try:
+                with safe_open(str(ckpt / f), framework="pt") as h:
+                    sizes = {h.get_slice(f"{i}.{kind}").get_shape()[0] for kind in ("master", "m", "v")}
+            except Exception as e:
+                raise CheckpointError(f"checkpoint {ckpt}: {f} is corrupt ({type(e).__name__}: {e})") from None
+            if sizes != {hi - lo}:
+                raise CheckpointError(f"checkpoint {ckpt}: {f} holds {sorted(sizes)} elements of unit {i}, "
+                                      f"expected {hi - lo}")
+    return manifest
+
+
+def _check_model(ckpt: Path, manifest: dict, units: list[list]) -> None:
     if [u["params"] for u in manifest["units"]] != units:
         raise CheckpointError(f"checkpoint {ckpt} holds a different model (its parameters do not match)")
-    for f in manifest["files"]:
-        try:
-            with safe_open(str(ckpt / f), framework="pt") as h:
-                for i, u in enumerate(manifest["units"]):
-                    for kind in ("master", "m", "v"):
-                        size = h.get_slice(f"{i}.{kind}").get_shape()[0]
-                        expected = u["padded_numel"] // (len(manifest["files"]) if len(manifest["files"]) > 1 else 1)
-                        if size != expected:
-                            raise CheckpointError(f"checkpoint {ckpt}: {f} holds {size} elements of unit {i}, "
-                                                  f"expected {expected}")
-        except CheckpointError:
-            raise
-        except Exception as e:
-            raise CheckpointError(f"checkpoint {ckpt}: {f} is corrupt ({type(e).__name__}: {e})") from None
-    return manifest
 
 
 def _saved_spans(manifest: dict, unit_index: int) -> list[tuple[str, int, int]]:
@@ -149,10 +151,7 @@ def load(engine: ZeroEngine, path: str | Path) -> dict:
     """Load a checkpoint saved at any world size or stage into `engine`; returns the manifest."""
     ckpt = resolve(path)
     manifest = read_manifest(ckpt)
-    layout_now = [[[s.name, list(s.shape)] for s in u.layout.slots] for u in engine.units]
-    if layout_now != [u["params"] for u in manifest["units"]]:
-        raise CheckpointError(f"checkpoint {ckpt} holds a different model (its parameters do not match)")
-    handles = {}
+    _check_model(ckpt, manifest, [[[s.name, list(s.shape)] for s in u.layout.slots] for u in engine.units])
     try:
         handles = {f: safe_open(str(ckpt / f), framework="pt") for f in manifest["files"]}
         for i, unit in enumerate(engine.units):
@@ -170,12 +169,13 @@ def load(engine: ZeroEngine, path: str | Path) -> dict:
         raise
     except Exception as e:  # a truncated or corrupt shard file
         raise CheckpointError(f"checkpoint {ckpt} is corrupt: {type(e).__name__}: {e}") from None
-    engine.step_count = manifest["optimizer_steps"]
-    engine.skipped_steps = manifest.get("skipped_steps", 0)
-    if engine.loss_scaler is not None and manifest.get("loss_scaler"):
+    opt = engine.optimizer
+    opt.step_count = manifest["optimizer_steps"]
+    opt.skipped_steps = manifest.get("skipped_steps", 0)
+    if opt.loss_scaler is not None and manifest.get("loss_scaler"):
         for key, value in manifest["loss_scaler"].items():
-            setattr(engine.loss_scaler, key, value)
-    engine.refresh_params()
+            setattr(opt.loss_scaler, key, value)
+    opt.refresh_params()
     return manifest
 
 
@@ -183,15 +183,10 @@ def consolidated(path: str | Path) -> dict[str, torch.Tensor]:
     """Every parameter, whole, in fp32, from a checkpoint's masters (no process group needed)."""
     ckpt = resolve(path)
     manifest = read_manifest(ckpt)
+    handles = {f: safe_open(str(ckpt / f), framework="pt") for f in manifest["files"]}
     out = {}
-    with_handles = {f: safe_open(str(ckpt / f), framework="pt") for f in manifest["files"]}
     for i, unit in enumerate(manifest["units"]):
-        flat = torch.cat([with_handles[f].get_tensor(f"{i}.master") for f, _, _ in _saved_spans(manifest, i)])
-        offset = 0
-        for name, shape in unit["params"]:
-            n = 1
-            for s in shape:
-                n *= s
-            out[name] = flat[offset:offset + n].reshape(shape).clone()
-            offset += n
+        flat = torch.cat([handles[f].get_tensor(f"{i}.master") for f, _, _ in _saved_spans(manifest, i)])
+        layout = FlatLayout.build(unit["params"], manifest["world_size"])  # the padding it was saved with
+        out.update({name: view.clone() for name, view in layout.views(flat).items()})
     return out

@@ -16,7 +16,6 @@ The same code runs on meta tensors with a `RecordingCommunicator` to simulate a 
 """
 from __future__ import annotations
 
-import math
 from typing import Callable, Optional
 
 import torch
@@ -26,7 +25,8 @@ from torch.func import functional_call
 from zerofunc.comm import Communicator
 from zerofunc.layout import shard
 from zerofunc.loss_scale import LossScaler
-from zerofunc.optim import AdamWConfig, adamw_
+from zerofunc.optim import AdamWConfig
+from zerofunc.sharded_optim import ShardedAdamW
 from zerofunc.stages import Stage
 from sim.memory import NoMemoryTracking
 from zerofunc.units import PRECISIONS, InitFn, Unit, materialize, partition
@@ -92,10 +92,8 @@ class ZeroEngine:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         if grad_accum < 1 or clip < 0:
             raise ValueError(f"need grad_accum >= 1 and clip >= 0, got {grad_accum} and {clip}")
-        self.grad_accum, self.clip, self.loss_scaler = grad_accum, clip, loss_scaler
+        self.grad_accum = grad_accum
         self.micro_step = 0          # backward passes since the last optimizer step
-        self.lr_schedule: Optional[Callable[[int], float]] = None  # step (from 1) -> lr, when step() gets none
-        self.skipped_steps = 0       # boundaries whose gradients overflowed
         self.model, self.stage, self.comm, self.optim = model, stage, comm, optim
         self.device = torch.device(device)
         self.memory = memory if memory is not None else NoMemoryTracking()
@@ -106,7 +104,7 @@ class ZeroEngine:
                                   PRECISIONS[precision], self.memory)
                       for name, module, named in partition(model, unit_names)]
         self.numel = sum(u.numel for u in self.units)
-        self.step_count = 0
+        self.optimizer = ShardedAdamW(self.units, stage, comm, optim, self.memory, clip, loss_scaler)
         self._anchor = torch.empty(0, device=self.device, requires_grad=True)
         self._by_buffer = {id(u.full): u for u in self.units}
         self._root = next((u for u in self.units if u.name == ""), None)  # parameters outside any block
@@ -152,6 +150,7 @@ class ZeroEngine:
         unit.gathered = True
 
     def _release(self, unit: Unit) -> None:
+        """Free a gathered unit's storage; only stage 3 ever gathers, so elsewhere this does nothing."""
         if unit.gathered and self.stage.shard_params:
             unit.full.untyped_storage().resize_(0)
             self.memory.resized(unit.full)
@@ -186,7 +185,8 @@ class ZeroEngine:
         (and multiplied by the fp16 loss scale), so gradients sum to the big batch's."""
         self.memory.mark("backward")
         self._boundary = self.micro_step + 1 == self.grad_accum
-        scale = (self.loss_scaler.scale if self.loss_scaler else 1.0) / self.grad_accum
+        scaler = self.optimizer.loss_scaler
+        scale = (scaler.scale if scaler else 1.0) / self.grad_accum
         with self.memory.category("activations"):
             (loss * scale if scale != 1.0 else loss).backward()
         self.micro_step += 1
@@ -216,88 +216,20 @@ class ZeroEngine:
             unit.grad.copy_(reduced)
         else:
             unit.grad = reduced if unit.grad is None else unit.grad.add_(reduced)
-        if stage.shard_params:
-            self._release(unit)  # backward is done with this unit's weights
+        self._release(unit)  # stage 3: backward is done with this unit's weights
 
     # ---- optimizer ---------------------------------------------------------------
-    @torch.no_grad()
     def step(self, lr: Optional[float] = None) -> bool:
-        """At an accumulation boundary: AdamW on the fp32 master of what this rank owns,
-        then refresh the weights the forward uses. Before a boundary it does nothing.
+        """At an accumulation boundary, the sharded optimizer's update; before one, nothing.
 
-        Returns whether the parameters changed: False before a boundary, and False when
-        fp16 gradients overflowed on any rank (the step is skipped everywhere).
+        Returns whether the parameters changed (False before a boundary, and when fp16
+        gradients overflowed on any rank).
         """
         if self.micro_step < self.grad_accum:
             return False
         self.micro_step = 0
         self.memory.mark("step")
-        for unit in self.units:
-            if unit.grad is None:
-                raise RuntimeError(f"unit {unit.name or '<root>'} has no gradient: call backward() before step()")
-        factor = self._unscale_and_clip()
-        if factor is None:
-            self._clear_grads()
-            return False
-        self.step_count += 1
-        if lr is None and self.lr_schedule is not None:
-            lr = self.lr_schedule(self.step_count)
-        for unit in self.units:
-            with self.memory.category("other"):
-                grad = unit.grad.float() if factor == 1.0 else unit.grad.float().mul_(factor)
-                adamw_(unit.master, grad, unit.m, unit.v, self.step_count, self.optim, lr=lr)
-            self._refresh(unit, tag="params.step")
-        self._clear_grads()
-        return True
-
-    @torch.no_grad()
-    def refresh_params(self) -> None:
-        """Make the weights the forward uses match the fp32 masters (after loading a checkpoint)."""
-        for unit in self.units:
-            self._refresh(unit, tag="params.load")
-
-    def _refresh(self, unit: Unit, tag: str) -> None:
-        if self.stage.shard_optimizer and not self.stage.shard_params:
-            # Whole weights from every rank's shard. A fresh input even in fp32: not
-            # every backend gathers from a slice of its own output in place.
-            with self.memory.category("buffers"):
-                send = unit.master.to(unit.params.dtype, copy=True)
-            self.comm.all_gather(unit.params, send, tag=tag)
-        elif unit.master.dtype != unit.params.dtype:  # 16-bit stages 0 and 3: same span, new rounding
-            unit.params.copy_(unit.master)
-
-    def _unscale_and_clip(self) -> Optional[float]:
-        """What to multiply the gradients by: 1 / loss scale, times the clip coefficient.
-
-        Both need the global gradient norm, which costs one scalar all-reduce when the
-        gradients are sharded (stage 0's are whole on every rank). A non-finite norm is
-        an fp16 overflow: None, and the scale adapts.
-        """
-        scaler = self.loss_scaler
-        if scaler is None and not self.clip:
-            return 1.0
-        sq = torch.zeros(1, device=self.device, dtype=torch.float32)
-        for unit in self.units:
-            sq += unit.grad.float().pow(2).sum()
-        if self.stage.shard_optimizer:
-            self.comm.all_reduce(sq, tag="grad_norm", mean=False)
-        norm = sq.sqrt().item() if self.device.type != "meta" else 0.0
-        factor = 1.0
-        if scaler is not None:
-            overflow = not math.isfinite(norm)
-            scaler_scale = scaler.scale
-            scaler.update(overflow)
-            if overflow:
-                self.skipped_steps += 1
-                return None
-            factor, norm = 1.0 / scaler_scale, norm / scaler_scale
-        if self.clip:  # as torch.nn.utils.clip_grad_norm_
-            factor *= min(1.0, self.clip / (norm + 1e-6))
-        return factor
-
-    def _clear_grads(self) -> None:
-        for unit in self.units:
-            unit.grad = unit.local_grad = None
+        return self.optimizer.step(lr)
 
     # ---- export ------------------------------------------------------------------
     @torch.no_grad()

@@ -88,9 +88,9 @@ def spawn(fn: Callable[..., Any], nproc: int, *args, backend: str = "gloo",
                 missing = [r for r in range(nproc) if r not in out]
                 dead = [r for r in missing if procs[r].exitcode is not None]
                 if dead and results.empty():
-                    raise RankError(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} without a result")
+                    raise RankError(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} without a result") from None
                 if time.monotonic() > deadline:
-                    raise RankError(f"ranks {missing} gave no result in {timeout:.0f} s")
+                    raise RankError(f"ranks {missing} gave no result in {timeout:.0f} s") from None
                 continue
             if not ok:
                 raise RankError(value)

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from zerofunc.layout import FlatLayout, shard
+from zerofunc.layout import FlatLayout
 from zerofunc.stages import Stage
 
 InitFn = Callable[[str, tuple[int, ...]], torch.Tensor]
