@@ -20,6 +20,7 @@ class LedgerEntry:
     the input of a reduce-scatter, the buffer of an all-reduce or broadcast.
     `tag` says what the bytes are for (e.g. "grads", "params.fwd"), so a reader can
     separate the optimizer's traffic from bookkeeping such as the logged loss.
+    `overlapped` says it was launched asynchronously, to run behind compute.
     """
 
     op: str
@@ -27,6 +28,7 @@ class LedgerEntry:
     nbytes: int
     group_size: int
     tag: str = ""
+    overlapped: bool = False
 
     def __post_init__(self) -> None:
         if self.op not in VOLUME_FACTOR:

@@ -14,6 +14,7 @@ fragmentation, and no workspace a kernel allocates internally.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import weakref
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -51,7 +52,8 @@ class MemoryTracker(TorchDispatchMode):
         self._label = ""
         self._category = ["other"]
         self._storages: dict[int, list] = {}  # id(storage) -> [category, nbytes]
-        self._scratch: list[list[int]] = []   # storages created inside each open scratch() block
+        self._in_backend = 0                  # > 0 inside a collective call: its allocations are the backend's
+        self._held = itertools.count(-1, -1)  # keys of hold()s, never an id() of a storage
 
     # ---- categories and registration --------------------------------------------------
     @contextlib.contextmanager
@@ -66,23 +68,31 @@ class MemoryTracker(TorchDispatchMode):
             self._category.pop()
 
     @contextlib.contextmanager
-    def scratch(self) -> Iterator[None]:
-        """Count storages created inside the block as "buffers" until the block ends.
+    def backend(self) -> Iterator[None]:
+        """Do not count what is allocated inside the block: a collective backend's own staging.
 
-        For a collective's backend scratch: gloo frees its staging copy when its worker
-        thread drops the finished work, a moment after the caller has moved on, so the
-        storage's own death would land at a different point in every run. The scratch is
-        counted for exactly the duration of the call instead, as a simulation counts it.
+        What a backend stages is not always visible here (gloo copies a reduce-scatter's
+        input in the calling thread when the call blocks, in its worker thread when it
+        does not) and it is freed when the worker drops the finished work, a moment after
+        the caller moved on. So the communicator declares it instead, with hold() and
+        drop(), from launch until the collective is waited on, as a simulation does.
         """
-        created: list[int] = []
-        self._scratch.append(created)
+        self._in_backend += 1
         try:
-            with self.category("buffers"):
-                yield
+            yield
         finally:
-            self._scratch.pop()
-            for key in created:
-                self._free(key)
+            self._in_backend -= 1
+
+    def hold(self, nbytes: int, category: str = "buffers") -> int:
+        """Count `nbytes` that no tensor here owns (a backend's staging) until drop(key)."""
+        key = next(self._held)
+        self._storages[key] = [category, nbytes]
+        self.live[category] += nbytes
+        self._changed()
+        return key
+
+    def drop(self, key: int) -> None:
+        self._free(key)
 
     def mark(self, label: str) -> None:
         """Label the timeline from here on (e.g. "forward", "backward", "step")."""
@@ -119,7 +129,7 @@ class MemoryTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in self._storages:
+            if isinstance(t, torch.Tensor) and not self._in_backend and id(t.untyped_storage()) not in self._storages:
                 self._add(t.untyped_storage(), self._category[-1])
         return out
 
@@ -128,8 +138,6 @@ class MemoryTracker(TorchDispatchMode):
         key = id(storage)
         entry = [category, storage.nbytes()]
         self._storages[key] = entry
-        if self._scratch:
-            self._scratch[-1].append(key)
         weakref.finalize(storage, self._free, key)
         self.live[category] += entry[1]
         self._changed()
@@ -166,8 +174,14 @@ class NoMemoryTracking:
     def category(self, name: str):
         return contextlib.nullcontext()
 
-    def scratch(self):
+    def backend(self):
         return contextlib.nullcontext()
+
+    def hold(self, nbytes: int, category: str = "buffers") -> None:
+        return None
+
+    def drop(self, key) -> None:
+        pass
 
     def mark(self, label: str) -> None:
         pass

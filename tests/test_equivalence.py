@@ -14,6 +14,7 @@ from zerofunc.comm import DistCommunicator
 from zerofunc.engine import ZeroEngine
 from zerofunc.models import GPT
 from zerofunc.optim import AdamWConfig
+from zerofunc.overlap import DEFAULT_BUCKET_BYTES, Overlap
 from zerofunc.stages import STAGES
 
 STEPS = 3
@@ -34,13 +35,18 @@ TOL = 1e-5
 
 @dataclass(frozen=True)
 class Training:
-    """How a case trains: micro-steps per optimizer step, and the clipping norm (0: off)."""
+    """How a case trains: micro-steps per optimizer step, the clipping norm (0: off), and how
+    much communication is in flight (prefetch depth; bucket bytes: 0 waits for every
+    reduction at once, 4 KiB lets a few small blocks' reductions run behind backward)."""
 
     grad_accum: int
     clip: float
+    overlap: Overlap = Overlap()
 
 
-trainings = st.builds(Training, grad_accum=st.integers(1, 3), clip=st.sampled_from([0.0, 0.05]))
+trainings = st.builds(Training, grad_accum=st.integers(1, 3), clip=st.sampled_from([0.0, 0.05]),
+                      overlap=st.builds(Overlap, prefetch_depth=st.integers(0, 2),
+                                        bucket_bytes=st.sampled_from([0, 4096, DEFAULT_BUCKET_BYTES])))
 
 
 def reference_run(case: Case, training: Training, world_size: int):
@@ -70,7 +76,7 @@ def engine_run(case: Case, training: Training, stage: int):
     with torch.device("meta"):
         model = GPT(case.cfg)
     engine = ZeroEngine(model, STAGES[stage], comm, OPTIM, init=lambda n, s: model.init_param(n, s, case.seed),
-                        grad_accum=training.grad_accum, clip=training.clip)
+                        grad_accum=training.grad_accum, clip=training.clip, overlap=training.overlap)
     initial = engine.full_parameters()
     mb = case.micro_batch
     first_grads = None

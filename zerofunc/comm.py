@@ -31,14 +31,35 @@ class _Done:
         return None
 
 
+# Measured (tests/test_overlap.py): gloo's reduce-scatter stages a full copy of its input,
+# held until the collective completes. NCCL allocates nothing through PyTorch.
+GLOO_STAGING = {"reduce_scatter": 1.0}
+
+
+class _Staged:
+    """A collective's handle that also ends the backend staging counted for it."""
+
+    def __init__(self, work: Handle, memory, key):
+        self.work, self.memory, self.key = work, memory, key
+
+    def wait(self) -> None:
+        with self.memory.backend():  # gloo may stage again while finishing (an AVG divides a copy)
+            self.work.wait()
+        if self.key is not None:
+            self.memory.drop(self.key)
+            self.key = None
+
+
 class Communicator:
     """Collectives over flat buffers. Subclasses implement `_run`; this class keeps the ledger.
 
     `mean=True` averages instead of summing, which is how gradients are reduced.
-    Whatever a backend allocates while a collective runs is counted in `memory`
-    (a sim.memory.MemoryTracker, set by the engine) as communication buffers, for the
-    duration of the call.
+    `staging` is what the backend copies per collective, as a fraction of the payload;
+    it is counted in `memory` (a sim.memory.MemoryTracker, set by the engine) as
+    communication buffers from launch until the collective is waited on.
     """
+
+    staging: dict[str, float] = {}
 
     def __init__(self, rank: int, world_size: int, ledger: Optional[Ledger] = None):
         self.rank = rank
@@ -67,9 +88,11 @@ class Communicator:
 
     def _issue(self, op: str, payload: torch.Tensor, tag: str, async_op: bool, **kw) -> Handle:
         self.ledger.append(LedgerEntry(op, str(payload.dtype).removeprefix("torch."),
-                                       payload.numel() * payload.element_size(), self.world_size, tag))
-        with self.memory.scratch():  # what the backend allocates in the call, for the call
-            handle = self._run(op, async_op=async_op, **kw)
+                                       payload.numel() * payload.element_size(), self.world_size, tag, async_op))
+        staged = int(payload.numel() * payload.element_size() * self.staging.get(op, 0.0))
+        key = self.memory.hold(staged) if staged else None
+        with self.memory.backend():
+            handle = _Staged(self._run(op, async_op=async_op, **kw), self.memory, key)
         if not async_op:
             handle.wait()
         return handle
@@ -84,6 +107,7 @@ class DistCommunicator(Communicator):
     def __init__(self, group=None, ledger: Optional[Ledger] = None):
         self.group = group
         super().__init__(dist.get_rank(group), dist.get_world_size(group), ledger)
+        self.staging = GLOO_STAGING if dist.get_backend(group) == "gloo" else {}
 
     def _run(self, op: str, async_op: bool, out, inp=None, mean: bool = False, src: int = 0) -> Handle:
         g = self.group
@@ -105,20 +129,14 @@ class DistCommunicator(Communicator):
 class RecordingCommunicator(Communicator):
     """Records the collectives a step would issue; moves no data (for meta tensors).
 
-    `scratch` models what the target backend allocates while a collective runs, as a
-    fraction of the payload: gloo's reduce-scatter stages a full copy of its input
-    ({"reduce_scatter": 1.0}), NCCL allocates nothing through PyTorch. The scratch is
-    created and dropped inside the call, so a memory tracker sees the same transient.
+    `staging` is the target backend's (a hardware profile's `collective_scratch`), so
+    a memory tracker counts the same staging for the same span as in a real run.
     """
 
     def __init__(self, rank: int, world_size: int, ledger: Optional[Ledger] = None,
-                 scratch: Optional[dict[str, float]] = None):
+                 staging: Optional[dict[str, float]] = None):
         super().__init__(rank, world_size, ledger)
-        self.scratch = scratch or {}
+        self.staging = staging or {}
 
-    def _run(self, op: str, async_op: bool, out, inp=None, **kw) -> Handle:
-        factor = self.scratch.get(op, 0.0)
-        if factor:
-            payload = inp if op == "reduce_scatter" else out
-            torch.empty(int(payload.numel() * factor), dtype=payload.dtype, device=payload.device)
+    def _run(self, op: str, async_op: bool, **kw) -> Handle:
         return _Done()

@@ -12,6 +12,11 @@ released (as PyTorch FSDP1 does), and a saved-tensor hook notices when backward
 unpacks a weight of a released unit. Gradients come from torch autograd; torch.func's
 transforms return zeros through collectives.
 
+Communication overlaps compute (see zerofunc/overlap.py): stage 3 gathers the next
+blocks while one computes, and every stage launches a block's gradient reduction as
+soon as its backward is done, waiting for it only when the in-flight bytes exceed the
+bucket size or backward has finished.
+
 The same code runs on meta tensors with a `RecordingCommunicator` to simulate a step.
 """
 from __future__ import annotations
@@ -26,6 +31,7 @@ from zerofunc.comm import Communicator
 from zerofunc.layout import shard
 from zerofunc.loss_scale import LossScaler
 from zerofunc.optim import AdamWConfig
+from zerofunc.overlap import InFlight, Overlap
 from zerofunc.sharded_optim import ShardedAdamW
 from zerofunc.stages import Stage
 from sim.memory import NoMemoryTracking
@@ -82,22 +88,25 @@ class ZeroEngine:
     `memory` (a sim.memory.MemoryTracker) is told what each allocation is for.
     `grad_accum` micro-steps make one optimizer step; `clip` > 0 clips the global
     gradient norm; `loss_scaler` (a LossScaler, for fp16) scales the loss in backward.
+    `overlap` sets the prefetch depth and the bucket size (zerofunc.overlap.Overlap).
     """
 
     def __init__(self, model: nn.Module, stage: Stage, comm: Communicator, optim: AdamWConfig,
                  device: torch.device | str = "cpu", init: Optional[InitFn] = None,
                  unit_names: Optional[list[str]] = None, precision: str = "fp32", memory=None,
-                 grad_accum: int = 1, clip: float = 0.0, loss_scaler: Optional[LossScaler] = None):
+                 grad_accum: int = 1, clip: float = 0.0, loss_scaler: Optional[LossScaler] = None,
+                 overlap: Overlap = Overlap()):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         if grad_accum < 1 or clip < 0:
             raise ValueError(f"need grad_accum >= 1 and clip >= 0, got {grad_accum} and {clip}")
         self.grad_accum = grad_accum
         self.micro_step = 0          # backward passes since the last optimizer step
-        self.model, self.stage, self.comm, self.optim = model, stage, comm, optim
+        self.model, self.stage, self.comm, self.optim, self.overlap = model, stage, comm, optim, overlap
+        self._reducing = InFlight(overlap.bucket_bytes)
         self.device = torch.device(device)
         self.memory = memory if memory is not None else NoMemoryTracking()
-        comm.memory = self.memory  # the backend's scratch during collectives counts too
+        comm.memory = self.memory  # the backend's staging during collectives counts too
         if unit_names is None:
             unit_names = model.shard_units() if hasattr(model, "shard_units") else []
         self.units = [materialize(name, module, named, comm.world_size, comm.rank, stage, self.device, init,
@@ -109,6 +118,7 @@ class ZeroEngine:
         self._by_buffer = {id(u.full): u for u in self.units}
         self._root = next((u for u in self.units if u.name == ""), None)  # parameters outside any block
         self._blocks = [u for u in self.units if u.name != ""]
+        self._block_index = {id(u): i for i, u in enumerate(self._blocks)}
         for unit in self._blocks:
             unit.module.register_forward_pre_hook(self._gather_and_bind(unit))
             unit.module.register_forward_hook(self._unbind_and_release(unit))
@@ -141,17 +151,33 @@ class ZeroEngine:
     def _unit_views(self, unit: Unit) -> dict[str, torch.Tensor]:
         return unit.layout.views(_UnitBoundary.apply(self._anchor, self, unit))
 
-    def _gather(self, unit: Unit, tag: str) -> None:
-        if unit.gathered:
+    def _gather(self, unit: Unit, tag: str, prefetch: bool = False) -> None:
+        """Make the unit's whole weights available; a prefetch only starts the gather, a use waits for it."""
+        if not unit.gathered:
+            unit.full.untyped_storage().resize_(unit.full.numel() * unit.full.element_size())
+            self.memory.resized(unit.full)
+            handle = self.comm.all_gather(unit.full, unit.params, tag=tag, async_op=prefetch)
+            unit.gathering, unit.gathered = (handle if prefetch else None), True
+        if not prefetch and unit.gathering is not None:
+            unit.gathering.wait()
+            unit.gathering = None
+
+    def _prefetch(self, unit: Unit, direction: int, tag: str) -> None:
+        """Stage 3: start gathering the `prefetch_depth` blocks that run after `unit`
+        (direction +1 in forward, -1 in backward)."""
+        if not self.stage.shard_params or unit.name == "":
             return
-        unit.full.untyped_storage().resize_(unit.full.numel() * unit.full.element_size())
-        self.memory.resized(unit.full)
-        self.comm.all_gather(unit.full, unit.params, tag=tag)
-        unit.gathered = True
+        i = self._block_index[id(unit)]
+        for k in range(i + direction, i + direction * (self.overlap.prefetch_depth + 1), direction):
+            if 0 <= k < len(self._blocks):
+                self._gather(self._blocks[k], tag, prefetch=True)
 
     def _release(self, unit: Unit) -> None:
         """Free a gathered unit's storage; only stage 3 ever gathers, so elsewhere this does nothing."""
         if unit.gathered and self.stage.shard_params:
+            if unit.gathering is not None:  # never free a buffer a collective is still writing
+                unit.gathering.wait()
+                unit.gathering = None
             unit.full.untyped_storage().resize_(0)
             self.memory.resized(unit.full)
             unit.gathered = False
@@ -159,6 +185,7 @@ class ZeroEngine:
     def _gather_and_bind(self, unit: Unit):
         def hook(module, args):
             self._gather(unit, "params.fwd")
+            self._prefetch(unit, +1, "params.fwd")
             unit.bound = _bind(self.model, self._unit_views(unit))
         return hook
 
@@ -176,6 +203,7 @@ class ZeroEngine:
     def _unpack(self, saved):
         if isinstance(saved, _SavedUnitWeight):
             self._gather(saved.unit, "params.bwd")
+            self._prefetch(saved.unit, -1, "params.bwd")
             return saved.tensor
         return saved
 
@@ -189,6 +217,9 @@ class ZeroEngine:
         scale = (scaler.scale if scaler else 1.0) / self.grad_accum
         with self.memory.category("activations"):
             (loss * scale if scale != 1.0 else loss).backward()
+        self._reducing.drain()
+        for unit in self._blocks:  # a prefetch of a block the model did not run again must not go stale
+            self._release(unit)
         self.micro_step += 1
 
     def _unit_backward(self, unit: Unit, grad: torch.Tensor) -> None:
@@ -196,26 +227,34 @@ class ZeroEngine:
 
         Stages 0-1 keep the full local gradient as the accumulator and communicate only
         on the last micro-step; stages 2-3 reduce-scatter every micro-step into a shard.
+        Each reduction is launched here and finished (its result put in place) when the
+        in-flight queue waits for it: later, while autograd works on earlier blocks.
         """
         stage, comm = self.stage, self.comm
+        nbytes = grad.numel() * grad.element_size()
+        overlapped = nbytes <= self.overlap.bucket_bytes  # else the queue would wait for it at once
         if not stage.shard_grads:
             self.memory.track(grad, "grads")
             unit.local_grad = grad if unit.local_grad is None else unit.local_grad.add_(grad)
             if not self._boundary:
                 return
             if not stage.shard_optimizer:
-                comm.all_reduce(unit.local_grad, tag="grads")
                 unit.grad = unit.local_grad
+                self._reducing.add(comm.all_reduce(unit.local_grad, tag="grads", async_op=overlapped), nbytes)
                 return
         self.memory.track(grad, "buffers")  # only sent
         with self.memory.category("grads" if stage.shard_grads else "buffers"):
             reduced = torch.empty(unit.layout.shard_numel, device=grad.device, dtype=grad.dtype)
-        comm.reduce_scatter(reduced, grad if stage.shard_grads else unit.local_grad, tag="grads")
-        if not stage.shard_grads:  # ZeRO-1 keeps the full gradient; its own slice now holds the reduced shard
-            unit.grad = shard(unit.local_grad, comm.rank, comm.world_size)
-            unit.grad.copy_(reduced)
-        else:
-            unit.grad = reduced if unit.grad is None else unit.grad.add_(reduced)
+        sent = grad if stage.shard_grads else unit.local_grad
+
+        def done():  # `sent` stays referenced, so allocated, until the reduce-scatter has finished with it
+            if not stage.shard_grads:  # ZeRO-1 keeps the full gradient; its own slice now holds the reduced shard
+                unit.grad = shard(sent, comm.rank, comm.world_size)
+                unit.grad.copy_(reduced)
+            else:
+                unit.grad = reduced if unit.grad is None else unit.grad.add_(reduced)
+
+        self._reducing.add(comm.reduce_scatter(reduced, sent, tag="grads", async_op=overlapped), nbytes, done)
         self._release(unit)  # stage 3: backward is done with this unit's weights
 
     # ---- optimizer ---------------------------------------------------------------

@@ -13,6 +13,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
+from zerofunc.comm import Handle
 from zerofunc.layout import FlatLayout
 from zerofunc.stages import Stage
 
@@ -44,7 +45,8 @@ class Unit:
     v: torch.Tensor
     grad: Optional[torch.Tensor] = None        # what the optimizer consumes: full (stage 0) or shard
     local_grad: Optional[torch.Tensor] = None  # stages 0-1: this rank's unreduced full gradient
-    gathered: bool = True
+    gathered: bool = True      # stage 3: the gather buffer has storage (its gather may still be running)
+    gathering: Optional[Handle] = None  # stage 3: the prefetch that fills it, until waited on
     bound: Optional[dict] = None  # stage 3: the model's own parameters, while the unit's views stand in
 
     @property

@@ -1,0 +1,127 @@
+"""Overlap's bookkeeping: the in-flight queue, and the buffers the planner charges for it.
+
+That overlapped training still equals one device is tested with the other settings in
+test_equivalence.py (drawn prefetch depths and bucket sizes); that the trainer issues
+what the planner records, in test_ledger.py.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+import torch
+
+from zerofunc.layout import FlatLayout
+from zerofunc.models import GPT, GPTConfig
+from zerofunc.overlap import NO_OVERLAP, InFlight, Overlap
+from zerofunc.plan import Plan, simulate
+
+# Five blocks and a small vocabulary, so blocks, not embeddings, set the buffer peaks.
+CFG = GPTConfig(n_layer=5, n_head=2, n_embd=64, vocab_size=32, block_size=16)
+
+
+class Handle:
+    def __init__(self, log: list, name: str):
+        self.log, self.name = log, name
+
+    def wait(self) -> None:
+        self.log.append(f"wait {self.name}")
+
+
+def test_in_flight_waits_oldest_first_once_over_the_limit():
+    log: list[str] = []
+    q = InFlight(limit=100)
+    for name, nbytes in [("a", 60), ("b", 30), ("c", 20), ("d", 100)]:
+        q.add(Handle(log, name), nbytes, done=lambda n=name: log.append(f"done {n}"))
+        log.append(f"added {name}")
+    # c makes 110 > 100: a is waited; d makes 150: b and c are waited (d alone is 100, not over)
+    assert log == ["added a", "added b", "wait a", "done a", "added c",
+                   "wait b", "done b", "wait c", "done c", "added d"]
+    assert q.bytes == 100 and len(q) == 1
+    q.drain()
+    assert log[-2:] == ["wait d", "done d"] and q.bytes == 0 and len(q) == 0
+
+
+def test_zero_limit_is_synchronous():
+    log: list[str] = []
+    q = InFlight(limit=0)
+    q.add(Handle(log, "a"), 8)
+    assert log == ["wait a"] and len(q) == 0
+
+
+def test_overlap_rejects_negative_settings():
+    with pytest.raises(ValueError):
+        Overlap(prefetch_depth=-1)
+    with pytest.raises(ValueError):
+        Plan(world_size=2, stage=3, model=CFG, bucket_bytes=-1)
+
+
+def _buffers(stage: int, prefetch_depth: int, bucket_bytes: int) -> int:
+    plan = Plan(world_size=2, stage=stage, model=CFG, precision="fp32", seq=16,
+                prefetch_depth=prefetch_depth, bucket_bytes=bucket_bytes)
+    return simulate(plan, timing=False).memory.max_by_category["buffers"]
+
+
+def _block_bytes() -> int:
+    """One block's gathered fp32 buffer, from the layout, not from the simulation."""
+    with torch.device("meta"):
+        model = GPT(CFG)
+    block = model.shard_units()[0]
+    named = [(n, p.shape) for n, p in model.get_submodule(block).named_parameters()]
+    return FlatLayout.build(named, 2).padded_numel * 4
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_planner_charges_one_gathered_block_per_prefetch_depth(depth):
+    assert _buffers(3, depth, 0) - _buffers(3, 0, 0) == depth * _block_bytes()
+
+
+def test_planner_charges_gradients_waiting_in_a_bucket():
+    # Stage 2 keeps each block's whole gradient until its reduce-scatter is waited on:
+    # with everything in flight, all five blocks' gradients are live at the end of backward.
+    synchronous, bucketed = _buffers(2, 0, 0), _buffers(2, 0, 1 << 30)
+    assert bucketed - synchronous >= (CFG.n_layer - 1) * _block_bytes()
+
+
+def test_overlap_changes_when_bytes_move_not_which():
+    base = Plan(world_size=3, stage=3, model=CFG, precision="bf16", seq=16)
+    overlapped, blocking = simulate(base), simulate(replace(base, **vars(NO_OVERLAP)))
+
+    def entries(sim):
+        return Counter(replace(e, overlapped=False) for e in sim.ledger)
+
+    assert entries(overlapped) == entries(blocking)
+    assert not any(e.overlapped for e in blocking.ledger)
+    assert {e.tag for e in overlapped.ledger if e.overlapped} == {"grads", "params.fwd", "params.bwd"}
+    assert blocking.step_s == pytest.approx(blocking.compute_s + blocking.comm_s)
+    assert overlapped.step_s < blocking.step_s
+
+
+def _gloo_staging() -> tuple[int, int, int]:
+    """Bytes a blocking gloo reduce-scatter allocates in the calling thread; what the
+    communicator counts for an asynchronous one before and after waiting."""
+    import torch.distributed as dist
+
+    from sim.memory import MemoryTracker
+    from zerofunc.comm import DistCommunicator, _reduce_scatter_single
+
+    observed = MemoryTracker()
+    with observed:
+        inp, out = torch.ones(1000), torch.empty(1000 // dist.get_world_size())
+        before = observed.peak
+        _reduce_scatter_single(out, inp)
+    comm, counted = DistCommunicator(), MemoryTracker()
+    comm.memory = counted
+    with counted:
+        handle = comm.reduce_scatter(out, inp, async_op=True)
+        during = counted.live["buffers"]
+        handle.wait()
+    return observed.peak - before, during, counted.live["buffers"]
+
+
+def test_gloo_staging_is_what_the_communicator_counts():
+    from tests.worlds import in_world
+    for observed, during, after in in_world(2, _gloo_staging):
+        assert observed == 4000  # a full copy of the 4000-byte input: comm.GLOO_STAGING
+        assert (during, after) == (4000, 0)
