@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from zerofunc.config import ConfigError, Schedule, as_dict, parse
+from zerofunc.overlap import NO_OVERLAP, Overlap
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "ds_config_zero2.json"
 
@@ -38,8 +39,18 @@ def test_deepspeed_documentation_config_reads():
     assert (cfg.stage, cfg.precision, cfg.micro_batch, cfg.grad_accum, cfg.train_batch_size) == (2, "bf16", 4, 4, 32)
     assert cfg.clip == 1.0 and cfg.optimizer.lr == 1e-3
     assert set(cfg.ignored) == {f"zero_optimization.{k}" for k in (
-        "allgather_partitions", "allgather_bucket_size", "overlap_comm", "reduce_scatter", "reduce_bucket_size",
-        "contiguous_gradients")}
+        "allgather_partitions", "allgather_bucket_size", "reduce_scatter", "contiguous_gradients")}
+    assert cfg.overlap == NO_OVERLAP  # "overlap_comm": false
+
+
+def test_overlap_settings():
+    def overlap(zero, precision="fp32"):
+        half = {} if precision == "fp32" else {precision: {"enabled": True}}
+        return parse({"train_batch_size": 2, "zero_optimization": zero, **half}, 1).overlap
+    assert overlap({}) == Overlap()
+    assert overlap({"reduce_bucket_size": 1000}) == Overlap(bucket_bytes=4000)  # elements, as DeepSpeed counts
+    assert overlap({"reduce_bucket_size": 1000}, "bf16") == Overlap(bucket_bytes=2000)
+    assert overlap({"overlap_comm": True, "reduce_bucket_size": 0}) == Overlap(bucket_bytes=0)
 
 
 @pytest.mark.parametrize("raw, message", [
@@ -51,6 +62,8 @@ def test_deepspeed_documentation_config_reads():
     ({"train_batch_size": 2, "optimizer": {"type": "Lamb"}}, "'Lamb' is not supported"),
     ({"train_batch_size": 2, "optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}}, "cannot be false"),
     ({"train_batch_size": 2, "gradient_clipping": "1.0"}, "gradient_clipping must be a number"),
+    ({"train_batch_size": 2, "zero_optimization": {"overlap_comm": 1}}, "overlap_comm must be true or false"),
+    ({"train_batch_size": 2, "zero_optimization": {"reduce_bucket_size": -5}}, "reduce_bucket_size must be >= 0"),
     ({"train_batch_size": 2, "scheduler": {"type": "OneCycle"}}, "'OneCycle' is not supported"),
     ({"train_batch_size": 2, "scheduler": {"type": "WarmupCosineLR", "params": {}}}, "needs params.total_num_steps"),
 ])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -18,6 +19,7 @@ from zerofunc.launch import RankError, default_backend, init_torchrun, spawn, un
 from zerofunc import checkpoint
 from zerofunc.checkpoint import CheckpointError
 from zerofunc.models import GPT, MODELS, model_config
+from zerofunc.overlap import Overlap
 from zerofunc.units import partition
 
 DEFAULTS = dict(model="gpt2-tiny", stage=3, nproc=2, steps=1000, micro_batch=8, seq=128, lr=1e-3, seed=0)
@@ -49,6 +51,13 @@ def parse(argv: list[str] | None) -> TrainArgs:
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint under --out")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="draw the loss curve at the end")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA if available")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile each block's compute (default: on for CUDA, off for CPU)")
+    p.add_argument("--prefetch-depth", type=int, default=None,
+                   help=f"stage 3: blocks gathered ahead of the one computing (default {Overlap.prefetch_depth})")
+    p.add_argument("--bucket-mb", type=float, default=None,
+                   help=f"MiB of gradient reductions in flight before waiting (default {Overlap.bucket_bytes / 2**20:g}; "
+                        "0: none)")
     a = p.parse_args(argv)
 
     if a.model not in MODELS:
@@ -67,6 +76,10 @@ def parse(argv: list[str] | None) -> TrainArgs:
         raise UsageError(f"--lr must be positive, got {a.lr}")
     if a.clip is not None and a.clip < 0:
         raise UsageError(f"--clip must be >= 0, got {a.clip}")
+    if a.prefetch_depth is not None and a.prefetch_depth < 0:
+        raise UsageError(f"--prefetch-depth must be >= 0, got {a.prefetch_depth}")
+    if a.bucket_mb is not None and not a.bucket_mb >= 0:
+        raise UsageError(f"--bucket-mb must be >= 0, got {a.bucket_mb}")
     if not 0 <= a.dropout < 1:
         raise UsageError(f"--dropout must lie in [0, 1), got {a.dropout}")
     context = model_config(a.model).block_size
@@ -79,13 +92,19 @@ def parse(argv: list[str] | None) -> TrainArgs:
         raise UsageError(f"--nproc {a.nproc} exceeds the {torch.cuda.device_count()} CUDA devices here")
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else a.nproc
     config = parse_config(as_dict(read_config(a.config) if a.config else _flag_defaults(), _overrides(a)), world)
+    overlap = config.overlap
+    if a.prefetch_depth is not None:
+        overlap = replace(overlap, prefetch_depth=a.prefetch_depth)
+    if a.bucket_mb is not None:
+        overlap = replace(overlap, bucket_bytes=int(a.bucket_mb * 2**20))
+    config = replace(config, overlap=overlap)
     if a.resume:
         with torch.device("meta"):
             model = GPT(model_config(a.model))
         units = [[[n, list(p.shape)] for n, p in named] for _, _, named in partition(model, model.shard_units())]
         checkpoint.verify(a.out, units)
     return TrainArgs(a.model, config, a.nproc, a.steps, a.seq, a.dropout, a.seed, a.data, a.out, device,
-                     a.save_every, a.resume, a.plot)
+                     a.save_every, a.resume, a.plot, device == "cuda" if a.compile is None else a.compile)
 
 
 def _flag_defaults() -> dict:

@@ -37,6 +37,7 @@ class TrainArgs:
     save_every: int = 0   # save a checkpoint every K steps (0: never)
     resume: bool = False  # continue from the newest checkpoint under `out`
     plot: Optional[str] = None  # draw the loss curve to this PNG at the end
+    compile: bool = False       # torch.compile each block's compute
 
 
 def rank_device(kind: str) -> torch.device:
@@ -60,7 +61,7 @@ def train_rank(args: TrainArgs) -> dict:
     # Peak memory: on CUDA the allocator's own count; on CPU the planner's tracker, on real tensors.
     tracker = MemoryTracker() if device.type == "cpu" else None
     cfg = args.config
-    engine = zerofunc.initialize(model, cfg, device=device, comm=comm, memory=tracker,
+    engine = zerofunc.initialize(model, cfg, device=device, comm=comm, memory=tracker, compile=args.compile,
                                  init=lambda name, shape: model.init_param(name, shape, args.seed))
     first = 1
     if args.resume:

@@ -18,13 +18,15 @@ from zerofunc.units import InitFn
 
 def initialize(model: nn.Module, config: dict | str | Path | Config, *, device: Optional[torch.device | str] = None,
                comm: Optional[Communicator] = None, init: Optional[InitFn] = None,
-               unit_names: Optional[list[str]] = None, memory=None) -> ZeroEngine:
+               unit_names: Optional[list[str]] = None, memory=None, compile: Optional[bool] = None) -> ZeroEngine:
     """Wrap `model` (any nn.Module) in a ZeRO engine configured by a DeepSpeed-style `config`.
 
     Without a process group, a single-rank gloo group is started, so the same script
     runs alone or under torchrun. A model with real weights starts from them, and its
     own copies are then released (only the engine's flat buffers hold weights); a model
     on the meta device needs `init`, or an `init_param(name, shape, seed)` method.
+    `compile` runs each unit's compute through torch.compile; by default on CUDA only
+    (on CPU inductor emits C++, and a first compile costs more than a short run saves).
     """
     world = comm.world_size if comm is not None else dist.get_world_size() if dist.is_initialized() else 1
     cfg = config if isinstance(config, Config) else parse(config, world)  # bad input fails before any set-up
@@ -44,7 +46,8 @@ def initialize(model: nn.Module, config: dict | str | Path | Config, *, device: 
             raise ValueError("the model is on the meta device: pass init=, or give it init_param(name, shape, seed)")
     engine = ZeroEngine(model, get_stage(cfg.stage), comm, cfg.optimizer, device, init,
                         unit_names if unit_names is not None else default_units(model), precision=cfg.precision,
-                        memory=memory, grad_accum=cfg.grad_accum, clip=cfg.clip, loss_scaler=cfg.loss_scaler())
+                        memory=memory, grad_accum=cfg.grad_accum, clip=cfg.clip, loss_scaler=cfg.loss_scaler(),
+                        overlap=cfg.overlap, compile=torch.device(device).type == "cuda" if compile is None else compile)
     engine.optimizer.lr_schedule = cfg.lr
     engine.config = cfg
     if real:

@@ -15,6 +15,8 @@ from typing import Any, Optional
 
 from zerofunc.loss_scale import LossScaler
 from zerofunc.optim import AdamWConfig
+from zerofunc.overlap import NO_OVERLAP, Overlap
+from zerofunc.units import PRECISIONS
 
 
 class ConfigError(ValueError):
@@ -26,7 +28,7 @@ IGNORED_TOP = {"steps_per_print", "wall_clock_breakdown", "dump_state", "prescal
                "communication_data_type", "tensorboard", "wandb", "csv_monitor", "comms_logger",
                "flops_profiler", "activation_checkpointing", "memory_breakdown", "seq_parallel_communication_data_type",
                "data_types", "checkpoint", "elasticity", "aio", "zero_force_ds_cpu_optimizer"}
-IGNORED_ZERO = {"overlap_comm", "contiguous_gradients", "reduce_bucket_size", "allgather_bucket_size",
+IGNORED_ZERO = {"contiguous_gradients", "allgather_bucket_size",
                 "reduce_scatter", "allgather_partitions", "round_robin_gradients", "stage3_prefetch_bucket_size",
                 "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance",
                 "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save", "sub_group_size",
@@ -85,6 +87,7 @@ class Config:
     optimizer: AdamWConfig = AdamWConfig()
     fp16: dict = field(default_factory=dict)
     schedule: Optional[Schedule] = None
+    overlap: Overlap = Overlap()
     ignored: tuple[str, ...] = ()
 
     def loss_scaler(self) -> Optional[LossScaler]:
@@ -127,7 +130,7 @@ def parse(source: dict | str | Path, world_size: int) -> Config:
     _check_keys(raw, known, IGNORED_TOP, "", ignored)
 
     zero = _section(raw, "zero_optimization")
-    _check_keys(zero, {"stage"}, IGNORED_ZERO, "zero_optimization.", ignored)
+    _check_keys(zero, {"stage", "overlap_comm", "reduce_bucket_size"}, IGNORED_ZERO, "zero_optimization.", ignored)
     stage = _number(zero, "stage", 0, "zero_optimization.stage", int)
     if stage not in (0, 1, 2, 3):
         raise ConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage}")
@@ -146,9 +149,25 @@ def parse(source: dict | str | Path, world_size: int) -> Config:
     try:
         return Config(stage=stage, micro_batch=mb, grad_accum=gas, train_batch_size=tbs, precision=precision,
                       clip=clip, optimizer=_optimizer(raw, ignored), fp16=fp16, schedule=_schedule(raw),
-                      ignored=tuple(ignored))
+                      overlap=_overlap(zero, precision), ignored=tuple(ignored))
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def _overlap(zero: dict, precision: str) -> Overlap:
+    """DeepSpeed's overlap_comm (off: every collective blocks) and reduce_bucket_size (in
+    elements, as DeepSpeed counts it; the gradients' dtype makes it bytes)."""
+    on = zero.get("overlap_comm", True)
+    if not isinstance(on, bool):
+        raise ConfigError(f"zero_optimization.overlap_comm must be true or false, got {json.dumps(on)}")
+    if not on:
+        return NO_OVERLAP
+    if "reduce_bucket_size" not in zero:
+        return Overlap()
+    elements = _number(zero, "reduce_bucket_size", 0, "zero_optimization.reduce_bucket_size", int)
+    if elements < 0:
+        raise ConfigError(f"zero_optimization.reduce_bucket_size must be >= 0, got {elements}")
+    return Overlap(bucket_bytes=elements * PRECISIONS[precision].itemsize)
 
 
 def _section(raw: dict, key: str) -> dict:

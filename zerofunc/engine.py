@@ -95,7 +95,7 @@ class ZeroEngine:
                  device: torch.device | str = "cpu", init: Optional[InitFn] = None,
                  unit_names: Optional[list[str]] = None, precision: str = "fp32", memory=None,
                  grad_accum: int = 1, clip: float = 0.0, loss_scaler: Optional[LossScaler] = None,
-                 overlap: Overlap = Overlap()):
+                 overlap: Overlap = Overlap(), compile: bool = False):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         if grad_accum < 1 or clip < 0:
@@ -122,6 +122,10 @@ class ZeroEngine:
         for unit in self._blocks:
             unit.module.register_forward_pre_hook(self._gather_and_bind(unit))
             unit.module.register_forward_hook(self._unbind_and_release(unit))
+            if compile:  # the block's compute only: its hooks gather, bind and release outside the graph
+                unit.module.forward = torch.compile(unit.module.forward)
+                if stage.shard_params:  # a compiled backward saves its weights past the pack hook
+                    unit.module.register_full_backward_pre_hook(self._gather_for_backward(unit))
 
     # ---- forward -----------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -194,6 +198,12 @@ class ZeroEngine:
             _bind(self.model, unit.bound)
             unit.bound = None
             self._release(unit)
+        return hook
+
+    def _gather_for_backward(self, unit: Unit):
+        def hook(module, grad_output):
+            self._gather(unit, "params.bwd")
+            self._prefetch(unit, -1, "params.bwd")
         return hook
 
     def _pack(self, t: torch.Tensor):

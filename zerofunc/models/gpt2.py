@@ -105,9 +105,15 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, sample_ids: torch.Tensor | None = None) -> torch.Tensor:
-        drop = lambda y, site: sample_dropout(y, self.dropout, sample_ids, site, self.training)
-        x = x + drop(self.attn(self.ln_1(x)), self.site)
-        return x + drop(self.mlp(self.ln_2(x)), self.site + 1)
+        def drop(y: torch.Tensor, k: int) -> torch.Tensor:
+            # self.site is read only when dropout is on: no per-block constant, so under
+            # --compile every block shares one compiled graph
+            if not (self.dropout and self.training):
+                return y
+            return sample_dropout(y, self.dropout, sample_ids, self.site + k, self.training)
+
+        x = x + drop(self.attn(self.ln_1(x)), 0)
+        return x + drop(self.mlp(self.ln_2(x)), 1)
 
 
 class GPT(nn.Module):

@@ -11,6 +11,7 @@ from dataclasses import replace
 
 from sim.hardware import profiles
 from zerofunc.models import MODELS
+from zerofunc.overlap import Overlap
 from zerofunc.plan import Plan
 from zerofunc.plan.report import GiB, as_json, as_table, plot, report_stages
 
@@ -30,6 +31,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hardware", default="h100-sxm", help=f"one of {', '.join(profiles())}")
     p.add_argument("--gpu-memory", type=float, default=None,
                    help="usable memory per rank in GiB (default: the hardware's, less its reserve)")
+    p.add_argument("--prefetch-depth", type=int, default=Overlap.prefetch_depth,
+                   help="stage 3: blocks gathered ahead of the one computing")
+    p.add_argument("--bucket-mb", type=float, default=Overlap.bucket_bytes / 2**20,
+                   help="MiB of gradient reductions in flight before waiting (0: none)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="draw each stage's memory timeline")
     return p.parse_args(argv)
@@ -45,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         stages = sorted(set(a.stage)) if a.stage else [0, 1, 2, 3]
         base = Plan(world_size=a.world_size, stage=stages[0], model=None if a.params is not None else a.model,
                     params=a.params, precision=a.precision, micro_batch=a.micro_batch, seq=a.seq,
-                    hardware=a.hardware)
+                    hardware=a.hardware, prefetch_depth=a.prefetch_depth,
+                    bucket_bytes=int(a.bucket_mb * 2**20) if a.bucket_mb >= 0 else -1)
         plans = [replace(base, stage=s) for s in stages]  # each validates its stage
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -33,7 +33,7 @@ class StageReport:
                              **{c: cats[c] for c in ("activations", "buffers", "other")},
                              "peak": m.peak},
             "comm": {"volume_bytes": self.sim.volume_bytes, "collectives": len(self.sim.ledger),
-                     "time_s": self.sim.comm_s},
+                     "time_s": self.sim.comm_s, "overlapped_time_s": self.sim.overlapped_comm_s},
             "compute": {"flops": self.sim.flops, "time_s": self.sim.compute_s},
             "step_time_s": self.sim.step_s,
             "fits": self.fits,
@@ -102,7 +102,8 @@ def as_table(plan: Plan, reports: list[StageReport], capacity: int) -> str:
     verdict = (f"recommended: stage {best.sim.plan.stage} (fastest estimated step that fits)" if best
                else "nothing fits: add ranks, lower the micro-batch or sequence, or use a larger device")
     note = ("memory per rank in GiB; comm/step counts an all-reduce of S bytes as 2S and an all-gather or "
-            "reduce-scatter as S; step time = compute (roofline) + communication (ring alpha-beta), not overlapped")
+            "reduce-scatter as S; step time = compute (roofline) + communication (ring alpha-beta) that the "
+            "asynchronous collectives (prefetched gathers, gradient reductions) do not hide behind compute")
     return "\n".join([head, "", line(cols), *(line(row) for row in rows), "", verdict, note])
 
 
