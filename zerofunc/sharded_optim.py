@@ -13,8 +13,9 @@ from typing import Callable, Optional
 import torch
 
 from zerofunc.comm import Communicator
+from zerofunc.fused import adamw_fused_, unscale_
 from zerofunc.loss_scale import LossScaler
-from zerofunc.optim import AdamWConfig, adamw_
+from zerofunc.optim import AdamWConfig
 from zerofunc.stages import Stage
 from zerofunc.units import Unit
 
@@ -45,10 +46,7 @@ class ShardedAdamW:
         if lr is None and self.lr_schedule is not None:
             lr = self.lr_schedule(self.step_count)
         for unit in self.units:
-            with self.memory.category("other"):
-                grad = unit.grad.float() if factor == 1.0 else unit.grad.float().mul_(factor)
-                adamw_(unit.master, grad, unit.m, unit.v, self.step_count, self.optim, lr=lr)
-            self._refresh(unit, tag="params.step")
+            self._update(unit, lr, factor)
         self._clear_grads()
         return True
 
@@ -56,44 +54,84 @@ class ShardedAdamW:
     def refresh_params(self) -> None:
         """Make the weights the forward uses match the fp32 masters (after loading a checkpoint)."""
         for unit in self.units:
-            self._refresh(unit, tag="params.load")
+            self._refresh(unit)
 
-    def _refresh(self, unit: Unit, tag: str) -> None:
+    def _refresh(self, unit: Unit) -> None:
+        out, gather = self._weights_out(unit)
+        if out is not None:
+            out.copy_(unit.master)
+        if gather:
+            self.comm.all_gather(unit.params, out, tag="params.load")
+
+    def _update(self, unit: Unit, lr: Optional[float], factor: float) -> None:
+        """AdamW on one unit's master; the same pass writes the weights' new rounding or the send buffer.
+
+        A method of its own (as `_refresh`) so that the send buffer dies on return, before
+        the next unit allocates its own.
+        """
+        out, gather = self._weights_out(unit)
+        with self.memory.category("other"):
+            adamw_fused_(unit.master, unit.grad, unit.m, unit.v, self.step_count, self.optim, lr=lr,
+                         grad_scale=factor, out=out)
+        if gather:
+            self.comm.all_gather(unit.params, out, tag="params.step")
+
+    def _weights_out(self, unit: Unit) -> tuple[Optional[torch.Tensor], bool]:
+        """Where the master's new values go besides the master, and whether that is then all-gathered.
+
+        Stages 1-2: into a send buffer of this rank's shard, which the all-gather spreads
+        into every rank's whole weights; a fresh buffer even in fp32, as not every backend
+        gathers from a slice of its own output in place. 16-bit stages 0 and 3: the weights
+        are the same span as the master, rounded. fp32 stages 0 and 3: the master is the
+        weights, nothing to write.
+        """
         if self.stage.shard_optimizer and not self.stage.shard_params:
-            # Whole weights from every rank's shard. A fresh input even in fp32: not
-            # every backend gathers from a slice of its own output in place.
             with self.memory.category("buffers"):
-                send = unit.master.to(unit.params.dtype, copy=True)
-            self.comm.all_gather(unit.params, send, tag=tag)
-        elif unit.master.dtype != unit.params.dtype:  # 16-bit stages 0 and 3: same span, new rounding
-            unit.params.copy_(unit.master)
+                send = torch.empty(unit.master.shape, device=unit.master.device, dtype=unit.params.dtype)
+            return send, True
+        if unit.master.dtype != unit.params.dtype:
+            return unit.params, False
+        return None, False
 
     def _unscale_and_clip(self) -> Optional[float]:
         """What to multiply the gradients by: 1 / loss scale, times the clip coefficient.
 
-        Both need the global gradient norm, which costs one scalar all-reduce when the
-        gradients are sharded (stage 0's are whole on every rank). A non-finite norm is
-        an fp16 overflow: None, and the scale adapts.
+        Both need the global gradient norm, which costs one small all-reduce when the
+        gradients are sharded (stage 0's are whole on every rank). With fp16 loss scaling
+        it reduces [sum of squares, found_inf] of the unscaled gradients, both from one
+        pass of `unscale_` per unit; any non-finite value is an overflow: None, and the
+        scale adapts.
+
+        The unscaled fp32 gradients are not kept: all units' at once would add 4 bytes
+        per gradient element to the step's peak, which otherwise holds one unit's
+        temporaries at a time. So this pass writes nothing, and AdamW reads the 16-bit
+        gradient again and multiplies it by the returned factor as it loads it.
         """
         scaler = self.loss_scaler
         if scaler is None and not self.clip:
             return 1.0
         device = self.units[0].master.device
-        sq = torch.zeros(1, device=device, dtype=torch.float32)
-        for unit in self.units:  # in fp32, without a full fp32 copy of a 16-bit gradient
-            sq += torch.linalg.vector_norm(unit.grad, dtype=torch.float32).square()
+        if scaler is not None:
+            stats = torch.zeros(2, device=device, dtype=torch.float32)  # [sum of squares, found_inf]
+            for unit in self.units:
+                stats += torch.cat(unscale_(unit.grad, 1.0 / scaler.scale))
+        else:
+            stats = torch.zeros(1, device=device, dtype=torch.float32)
+            for unit in self.units:  # in fp32, without a full fp32 copy of a 16-bit gradient
+                stats += torch.linalg.vector_norm(unit.grad, dtype=torch.float32).square()
         if self.stage.shard_optimizer:
-            self.comm.all_reduce(sq, tag="grad_norm", mean=False)
-        norm = sq.sqrt().item() if device.type != "meta" else 0.0
+            self.comm.all_reduce(stats, tag="grad_norm", mean=False)
+        stats[0:1].sqrt_()  # the norm, in fp32 as before
+        norm, found_inf = (stats.tolist() + [0.0])[:2] if device.type != "meta" else (0.0, 0.0)
         factor = 1.0
         if scaler is not None:
-            overflow = not math.isfinite(norm)
+            overflow = found_inf > 0 or not math.isfinite(norm)
             scale = scaler.scale
             scaler.update(overflow)
             if overflow:
                 self.skipped_steps += 1
                 return None
-            factor, norm = 1.0 / scale, norm / scale
+            factor = 1.0 / scale
         if self.clip:  # as torch.nn.utils.clip_grad_norm_
             factor *= min(1.0, self.clip / (norm + 1e-6))
         return factor

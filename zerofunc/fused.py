@@ -1,0 +1,206 @@
+"""Fused kernels for the element-wise work between collectives, each beside its torch reference.
+
+Between the reduce-scatter of gradients and the all-gather of weights, a ZeRO step
+only streams flat buffers: check and unscale fp16 gradients, then AdamW on the fp32
+master shard, then round it to 16 bits for the forward or for the all-gather. As
+separate torch ops that is about ten passes over memory and several shard-sized
+temporaries; fused, it is one pass per kernel and no temporaries.
+
+Each kernel has a torch reference with the same signature. The reference is what runs
+on CPU and on meta tensors (the planner simulates a step with it, so its memory is
+what is predicted), and what the kernel is tested against. `adamw_fused_` and
+`unscale_` pick one: the Triton kernel on CUDA, the reference elsewhere;
+`ZEROFUNC_TRITON=0` forces the reference, and `ZEROFUNC_TRITON=1` with
+`TRITON_INTERPRET=1` runs the kernels on CPU through Triton's interpreter (tests).
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+
+from zerofunc.optim import AdamWConfig, adamw_
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the library works without triton; only the fused path needs it
+    triton = None
+
+BLOCK = 1024  # elements per program; one fixed size: @triton.autotune fails in the interpreter
+# Triton (3.9) reads TRITON_INTERPRET when @triton.jit decorates: whether the kernels below run interpreted.
+INTERPRETED = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    """Whether the kernels can and should run on `tensor`'s device.
+
+    CUDA takes the kernel unless `ZEROFUNC_TRITON=0`. CPU takes it only when asked
+    (`ZEROFUNC_TRITON=1`) and the kernels were defined interpreted. Meta never does:
+    the planner needs the reference's allocations, and a kernel cannot launch on meta.
+    """
+    flag = os.environ.get("ZEROFUNC_TRITON", "")
+    if triton is None or flag == "0":
+        return False
+    if tensor.device.type == "cuda":
+        return True
+    return tensor.device.type == "cpu" and flag == "1" and INTERPRETED
+
+
+# ---- AdamW -------------------------------------------------------------------------------
+@torch.no_grad()
+def adamw_reference_(param: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: int,
+                     cfg: AdamWConfig, lr: Optional[float] = None, grad_scale: float = 1.0,
+                     out: Optional[torch.Tensor] = None) -> None:
+    """AdamW with the gradient `grad.float() * grad_scale`, then `out.copy_(param)`.
+
+    `grad_scale` carries 1 / loss scale and the clip coefficient, so a 16-bit
+    gradient is never unscaled into a second buffer first. `out` receives the new
+    weights in its own dtype: the 16-bit weights the forward uses, or the send buffer
+    of the all-gather. The input `grad` is not modified, so an fp32 gradient with
+    grad_scale != 1 costs one shard-sized temporary here (the kernel needs none).
+    """
+    g = grad.float() if grad_scale == 1.0 else grad.float() * grad_scale
+    adamw_(param, g, m, v, step, cfg, lr=lr)
+    if out is not None:
+        out.copy_(param)
+
+
+def adamw_triton_(param: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: int,
+                  cfg: AdamWConfig, lr: Optional[float] = None, grad_scale: float = 1.0,
+                  out: Optional[torch.Tensor] = None) -> None:
+    """`adamw_reference_` in one pass: reads param, grad, m, v; writes param, m, v and out.
+
+    Whatever depends on the step (bias corrections, step size) is a scalar computed
+    here in Python floats and rounded to fp32 at launch, as torch rounds the scalars
+    of `adamw_`'s ops.
+    """
+    if step < 1:
+        raise ValueError(f"step counts from 1, got {step}")
+    n = param.numel()
+    _check_flat(n, param, grad, m, v, out)
+    if any(t.dtype != torch.float32 for t in (param, m, v)):
+        raise TypeError("param, m and v must be fp32")
+    if n == 0:
+        return
+    lr = cfg.lr if lr is None else lr
+    beta1, beta2 = cfg.betas
+    w = 1 - beta1  # lerp weight; torch's lerp switches formula at |w| = 0.5
+    _adamw_kernel[(triton.cdiv(n, BLOCK),)](
+        param, grad, m, v, param if out is None else out, n,
+        float(grad_scale), 1 - lr * cfg.weight_decay, w, beta2, 1 - beta2,
+        -lr / (1 - beta1 ** step), math.sqrt(1 - beta2 ** step), cfg.eps,
+        LERP_SMALL=abs(w) < 0.5, HAS_OUT=out is not None,
+        ROUND_BF16=INTERPRETED and out is not None and out.dtype == torch.bfloat16,
+        BLOCK=BLOCK, enable_fp_fusion=False)
+
+
+def adamw_fused_(param, grad, m, v, step, cfg, lr=None, grad_scale=1.0, out=None) -> None:
+    """AdamW on a flat fp32 shard (see `adamw_reference_`), fused where `use_triton` says so."""
+    impl = adamw_triton_ if use_triton(param) else adamw_reference_
+    impl(param, grad, m, v, step, cfg, lr=lr, grad_scale=grad_scale, out=out)
+
+
+# ---- unscaling with a finite check -----------------------------------------------------------
+@torch.no_grad()
+def unscale_reference(grad: torch.Tensor, inv_scale: float,
+                      out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unscale an (fp16) gradient into `out` (fp32); (sum of squares, found_inf), 1-element fp32.
+
+    Both are what the caller all-reduces: sq_sum for the global norm (clipping),
+    found_inf (1.0 if any unscaled element is inf or nan) for the overflow decision.
+    Checking the unscaled values covers the raw ones: inf * s and nan * s stay
+    non-finite. With `out=None` nothing is written and no fp32 copy is made: the norm
+    of `grad` is scaled instead of the elements, equal up to rounding.
+    """
+    if out is not None:
+        _check_flat(grad.numel(), grad, out)
+        x = out.copy_(grad).mul_(inv_scale)  # exact widening, then one fp32 rounding
+        sq = torch.dot(x, x)
+        peak = torch.linalg.vector_norm(x, float("inf"))
+    else:
+        sq = (torch.linalg.vector_norm(grad, dtype=torch.float32) * inv_scale).square()
+        peak = torch.linalg.vector_norm(grad, float("inf"), dtype=torch.float32) * inv_scale
+    found_inf = torch.isfinite(peak).logical_not().float()  # the max propagates nan
+    return sq.reshape(1), found_inf.reshape(1)
+
+
+def unscale_triton(grad: torch.Tensor, inv_scale: float,
+                   out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`unscale_reference` in one pass over `grad`.
+
+    Each program writes its block's partial sum and finite flag to a small buffer that
+    torch then sums, rather than atomically adding into one scalar: atomics would
+    add blocks in a different order every run, and the clip coefficient, hence the
+    whole update, would not be reproducible bit for bit.
+    """
+    n = grad.numel()
+    _check_flat(n, grad, out)
+    if out is not None and out.dtype != torch.float32:
+        raise TypeError("out must be fp32")
+    blocks = triton.cdiv(n, BLOCK)
+    partials = torch.zeros(2, max(blocks, 1), device=grad.device, dtype=torch.float32)
+    if n:
+        _unscale_kernel[(blocks,)](grad, grad if out is None else out, partials, n, float(inv_scale), blocks,
+                                   HAS_OUT=out is not None, BLOCK=BLOCK, enable_fp_fusion=False)
+    return partials[0].sum().reshape(1), partials[1].amax().reshape(1)
+
+
+def unscale_(grad, inv_scale, out=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sq_sum, found_inf) of `grad * inv_scale`, optionally written to `out`; fused where `use_triton` says so."""
+    return (unscale_triton if use_triton(grad) else unscale_reference)(grad, inv_scale, out)
+
+
+def _check_flat(n: int, *tensors: Optional[torch.Tensor]) -> None:
+    for t in tensors:
+        if t is not None and (t.numel() != n or not t.is_contiguous()):
+            raise ValueError(f"expected contiguous tensors of {n} elements, got {tuple(t.shape)}")
+
+
+if triton is not None:
+    @triton.jit
+    def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, n, grad_scale, decay, w, beta2, one_minus_beta2,
+                      neg_step_size, bc2_sqrt, eps,
+                      LERP_SMALL: tl.constexpr, HAS_OUT: tl.constexpr, ROUND_BF16: tl.constexpr, BLOCK: tl.constexpr):
+        # torch's ops in torch's order: separate roundings where torch has separate ops,
+        # an fma where torch's CPU kernels use one (lerp, addcmul); the launch disables
+        # fp contraction so that the compiler adds no others. IEEE sqrt and division.
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * grad_scale
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        p = p * decay                                  # decoupled weight decay
+        if LERP_SMALL:                                 # m.lerp_(g, w)
+            m = tl.fma(w, g - m, m)
+        else:
+            m = tl.fma(w - 1.0, g - m, g)
+        v = tl.fma(one_minus_beta2 * g, g, v * beta2)  # v.mul_(b2).addcmul_(g, g, 1 - b2)
+        denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+        p = p + tl.div_rn(neg_step_size * m, denom)    # p.addcdiv_(m, denom, -step_size)
+        tl.store(p_ptr + offs, p, mask=mask)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+        if ROUND_BF16:  # the interpreter truncates fp32 -> bf16; round to nearest even, as a GPU does
+            bits = p.to(tl.uint32, bitcast=True)
+            bits += 0x7FFF + ((bits >> 16) & 1)
+            tl.store(out_ptr + offs, (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+        elif HAS_OUT:
+            tl.store(out_ptr + offs, p.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _unscale_kernel(g_ptr, out_ptr, partials_ptr, n, inv_scale, blocks,
+                        HAS_OUT: tl.constexpr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * inv_scale
+        if HAS_OUT:
+            tl.store(out_ptr + offs, x, mask=mask)
+        # not (|x| <= max float) is true exactly for inf and nan; masked lanes hold 0
+        bad = tl.where(tl.abs(x) <= 3.4028234663852886e38, 0.0, 1.0)
+        tl.store(partials_ptr + pid, tl.sum(x * x, axis=0))
+        tl.store(partials_ptr + blocks + pid, tl.max(bad, axis=0))
