@@ -113,7 +113,8 @@ class ZeroEngine:
                                   PRECISIONS[precision], self.memory)
                       for name, module, named in partition(model, unit_names)]
         self.numel = sum(u.numel for u in self.units)
-        self.optimizer = ShardedAdamW(self.units, stage, comm, optim, self.memory, clip, loss_scaler)
+        self.optimizer = ShardedAdamW(self.units, stage, comm, optim, self.memory, clip, loss_scaler,
+                                      overlap.bucket_bytes)
         self._anchor = torch.empty(0, device=self.device, requires_grad=True)
         self._by_buffer = {id(u.full): u for u in self.units}
         self._root = next((u for u in self.units if u.name == ""), None)  # parameters outside any block

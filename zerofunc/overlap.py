@@ -49,10 +49,12 @@ class InFlight:
     def __init__(self, limit: int):
         self.limit = limit
         self.bytes = 0
-        self._queue: deque[tuple[Handle, int, Optional[Callable[[], None]]]] = deque()
+        self._queue: deque[tuple[Handle, int, Optional[Callable[[], None]], tuple]] = deque()
 
-    def add(self, handle: Handle, nbytes: int, done: Optional[Callable[[], None]] = None) -> None:
-        self._queue.append((handle, nbytes, done))
+    def add(self, handle: Handle, nbytes: int, done: Optional[Callable[[], None]] = None,
+            holds: tuple = ()) -> None:
+        """Queue `handle`; `holds` are tensors the collective reads, kept alive until it is done."""
+        self._queue.append((handle, nbytes, done, holds))
         self.bytes += nbytes
         while self._queue and self.bytes > self.limit:
             self._finish_oldest()
@@ -65,7 +67,7 @@ class InFlight:
         return len(self._queue)
 
     def _finish_oldest(self) -> None:
-        handle, nbytes, done = self._queue.popleft()
+        handle, nbytes, done, _ = self._queue.popleft()
         handle.wait()
         self.bytes -= nbytes
         if done is not None:

@@ -16,14 +16,16 @@ from zerofunc.comm import Communicator
 from zerofunc.fused import adamw_fused_, unscale_
 from zerofunc.loss_scale import LossScaler
 from zerofunc.optim import AdamWConfig
+from zerofunc.overlap import InFlight
 from zerofunc.stages import Stage
 from zerofunc.units import Unit
 
 
 class ShardedAdamW:
     def __init__(self, units: list[Unit], stage: Stage, comm: Communicator, optim: AdamWConfig, memory,
-                 clip: float = 0.0, loss_scaler: Optional[LossScaler] = None):
+                 clip: float = 0.0, loss_scaler: Optional[LossScaler] = None, bucket_bytes: int = 0):
         self.units, self.stage, self.comm, self.optim, self.memory = units, stage, comm, optim, memory
+        self._gathering = InFlight(bucket_bytes)  # stages 1-2: new weights spreading while the next unit updates
         self.clip, self.loss_scaler = clip, loss_scaler
         self.step_count = 0          # optimizer steps taken (skipped ones excluded)
         self.skipped_steps = 0       # boundaries whose gradients overflowed
@@ -47,6 +49,7 @@ class ShardedAdamW:
             lr = self.lr_schedule(self.step_count)
         for unit in self.units:
             self._update(unit, lr, factor)
+        self._gathering.drain()
         self._clear_grads()
         return True
 
@@ -73,8 +76,10 @@ class ShardedAdamW:
         with self.memory.category("other"):
             adamw_fused_(unit.master, unit.grad, unit.m, unit.v, self.step_count, self.optim, lr=lr,
                          grad_scale=factor, out=out)
-        if gather:
-            self.comm.all_gather(unit.params, out, tag="params.step")
+        if gather:  # runs behind the next unit's update, within the bucket size
+            nbytes = unit.params.numel() * unit.params.element_size()
+            handle = self.comm.all_gather(unit.params, out, tag="params.step", async_op=nbytes <= self._gathering.limit)
+            self._gathering.add(handle, nbytes, holds=(out,))
 
     def _weights_out(self, unit: Unit) -> tuple[Optional[torch.Tensor], bool]:
         """Where the master's new values go besides the master, and whether that is then all-gathered.
