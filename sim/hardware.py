@@ -30,7 +30,7 @@ class Profile:
     intra_node: Link
     inter_node: Link
     attention: str
-    collective_scratch: dict[str, float]  # what the backend allocates per collective, x payload
+    collective_staging: dict[str, float]  # what the backend copies per collective, x payload, until it completes
     sources: dict[str, str]
 
     def link(self, world_size: int) -> Link:
@@ -54,7 +54,7 @@ def profiles() -> dict[str, Profile]:
                             flops=p["flops"], compute_efficiency=p["compute_efficiency"],
                             memory_bandwidth=p["memory_bandwidth"], devices_per_node=p["devices_per_node"],
                             intra_node=Link(**p["intra_node"]), inter_node=Link(**p["inter_node"]),
-                            attention=p["attention"], collective_scratch=p.get("collective_scratch", {}),
+                            attention=p["attention"], collective_staging=p.get("collective_staging", {}),
                             sources=p["sources"])
     return out
 

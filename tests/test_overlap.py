@@ -12,6 +12,8 @@ from dataclasses import replace
 import pytest
 import torch
 
+from sim.hardware import get_profile
+from zerofunc.comm import GLOO_STAGING
 from zerofunc.layout import FlatLayout
 from zerofunc.models import GPT, GPTConfig
 from zerofunc.overlap import NO_OVERLAP, InFlight, Overlap
@@ -125,3 +127,4 @@ def test_gloo_staging_is_what_the_communicator_counts():
     for observed, during, after in in_world(2, _gloo_staging):
         assert observed == 4000  # a full copy of the 4000-byte input: comm.GLOO_STAGING
         assert (during, after) == (4000, 0)
+    assert get_profile("cpu-gloo").collective_staging == GLOO_STAGING  # what the planner assumes for gloo

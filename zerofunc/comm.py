@@ -87,9 +87,10 @@ class Communicator:
         return self._issue("broadcast", t, tag, async_op, out=t, src=src)
 
     def _issue(self, op: str, payload: torch.Tensor, tag: str, async_op: bool, **kw) -> Handle:
-        self.ledger.append(LedgerEntry(op, str(payload.dtype).removeprefix("torch."),
-                                       payload.numel() * payload.element_size(), self.world_size, tag, async_op))
-        staged = int(payload.numel() * payload.element_size() * self.staging.get(op, 0.0))
+        nbytes = payload.numel() * payload.element_size()
+        self.ledger.append(LedgerEntry(op, str(payload.dtype).removeprefix("torch."), nbytes, self.world_size, tag,
+                                       async_op))
+        staged = int(nbytes * self.staging.get(op, 0.0))
         key = self.memory.hold(staged) if staged else None
         with self.memory.backend():
             handle = _Staged(self._run(op, async_op=async_op, **kw), self.memory, key)
@@ -129,7 +130,7 @@ class DistCommunicator(Communicator):
 class RecordingCommunicator(Communicator):
     """Records the collectives a step would issue; moves no data (for meta tensors).
 
-    `staging` is the target backend's (a hardware profile's `collective_scratch`), so
+    `staging` is the target backend's (a hardware profile's `collective_staging`), so
     a memory tracker counts the same staging for the same span as in a real run.
     """
 

@@ -126,7 +126,7 @@ class ZeroEngine:
             if compile:  # the block's compute only: its hooks gather, bind and release outside the graph
                 unit.module.forward = torch.compile(unit.module.forward)
                 if stage.shard_params:  # a compiled backward saves its weights past the pack hook
-                    unit.module.register_full_backward_pre_hook(self._gather_for_backward(unit))
+                    unit.module.register_full_backward_pre_hook(lambda module, grad_out, u=unit: self._regather(u))
 
     # ---- forward -----------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -201,11 +201,10 @@ class ZeroEngine:
             self._release(unit)
         return hook
 
-    def _gather_for_backward(self, unit: Unit):
-        def hook(module, grad_output):
-            self._gather(unit, "params.bwd")
-            self._prefetch(unit, -1, "params.bwd")
-        return hook
+    def _regather(self, unit: Unit) -> None:
+        """Stage 3, backward needs the unit's weights again: gather it, and start on the blocks after it."""
+        self._gather(unit, "params.bwd")
+        self._prefetch(unit, -1, "params.bwd")
 
     def _pack(self, t: torch.Tensor):
         unit = self._by_buffer.get(id(t._base)) if t._base is not None else None
@@ -213,8 +212,7 @@ class ZeroEngine:
 
     def _unpack(self, saved):
         if isinstance(saved, _SavedUnitWeight):
-            self._gather(saved.unit, "params.bwd")
-            self._prefetch(saved.unit, -1, "params.bwd")
+            self._regather(saved.unit)
             return saved.tensor
         return saved
 
@@ -243,7 +241,7 @@ class ZeroEngine:
         """
         stage, comm = self.stage, self.comm
         nbytes = grad.numel() * grad.element_size()
-        overlapped = nbytes <= self.overlap.bucket_bytes  # else the queue would wait for it at once
+        overlapped = self._reducing.overlaps(nbytes)
         if not stage.shard_grads:
             self.memory.track(grad, "grads")
             unit.local_grad = grad if unit.local_grad is None else unit.local_grad.add_(grad)

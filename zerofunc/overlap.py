@@ -51,6 +51,11 @@ class InFlight:
         self.bytes = 0
         self._queue: deque[tuple[Handle, int, Optional[Callable[[], None]], tuple]] = deque()
 
+    def overlaps(self, nbytes: int) -> bool:
+        """Whether a collective of `nbytes` can run in flight; a larger one would be waited for at once,
+        so it is better issued blocking."""
+        return nbytes <= self.limit
+
     def add(self, handle: Handle, nbytes: int, done: Optional[Callable[[], None]] = None,
             holds: tuple = ()) -> None:
         """Queue `handle`; `holds` are tensors the collective reads, kept alive until it is done."""

@@ -78,7 +78,7 @@ class ShardedAdamW:
                          grad_scale=factor, out=out)
         if gather:  # runs behind the next unit's update, within the bucket size
             nbytes = unit.params.numel() * unit.params.element_size()
-            handle = self.comm.all_gather(unit.params, out, tag="params.step", async_op=nbytes <= self._gathering.limit)
+            handle = self.comm.all_gather(unit.params, out, tag="params.step", async_op=self._gathering.overlaps(nbytes))
             self._gathering.add(handle, nbytes, holds=(out,))
 
     def _weights_out(self, unit: Unit) -> tuple[Optional[torch.Tensor], bool]:

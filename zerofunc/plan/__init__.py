@@ -148,7 +148,7 @@ def simulate(plan: Plan, timeline: bool = False, timing: bool = True) -> Simulat
     simulation that only needs memory.
     """
     profile = plan.profile
-    comm = RecordingCommunicator(0, plan.world_size, staging=profile.collective_scratch)
+    comm = RecordingCommunicator(0, plan.world_size, staging=profile.collective_staging)
     tracker = MemoryTracker(keep_timeline=timeline)
     with torch.device("meta"):
         model = GPT(plan.config) if plan.params is None else ParamsOnly(plan.params)
