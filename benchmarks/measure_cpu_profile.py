@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from zerofunc.comm import all_gather_single, reduce_scatter_single  # noqa: E402
 from zerofunc.launch import spawn  # noqa: E402
 
 NPROC = 2
@@ -72,8 +73,6 @@ COMM_REPEATS_SMALL = 40
 COMM_REPEATS_LARGE = 8
 OPS = ("all_gather", "reduce_scatter", "all_reduce")
 
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _log(msg: str) -> None:
@@ -162,10 +161,10 @@ def _measure_comm() -> dict:
             shard = numel // world
             if op == "all_gather":
                 inp, buf = torch.rand(shard), torch.empty(numel)
-                fn = lambda: _all_gather_single(buf, inp)  # noqa: E731
+                fn = lambda: all_gather_single(buf, inp)  # noqa: E731
             elif op == "reduce_scatter":
                 inp, buf = torch.rand(numel), torch.empty(shard)
-                fn = lambda: _reduce_scatter_single(buf, inp, op=dist.ReduceOp.SUM)  # noqa: E731
+                fn = lambda: reduce_scatter_single(buf, inp, op=dist.ReduceOp.SUM)  # noqa: E731
             else:
                 buf = torch.rand(numel)
                 fn = lambda: dist.all_reduce(buf)  # noqa: E731

@@ -16,6 +16,8 @@ _aten = torch.ops.aten
 
 
 def _fused(kernel: str, q, k, v, dropout_p: float, is_causal: bool, scale):
+    if kernel == "flash" and q.dtype not in (torch.float16, torch.bfloat16):
+        kernel = "efficient"  # flash attention takes 16-bit inputs only; PyTorch runs fp32 on the efficient kernel
     if kernel == "flash":
         return _aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, scale=scale)[0]
     if kernel == "efficient":

@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
+from pathlib import Path
 
 from sim.cost import Link
 
@@ -32,6 +33,7 @@ class Profile:
     attention: str
     collective_staging: dict[str, float]  # what the backend copies per collective, x payload, until it completes
     sources: dict[str, str]
+    device_names: tuple[str, ...] = ()  # substrings of the device name torch reports, to find the profile of a GPU
 
     def link(self, world_size: int) -> Link:
         """The ring's slowest hop: within a node if the group fits in one, else the network."""
@@ -55,8 +57,38 @@ def profiles() -> dict[str, Profile]:
                             memory_bandwidth=p["memory_bandwidth"], devices_per_node=p["devices_per_node"],
                             intra_node=Link(**p["intra_node"]), inter_node=Link(**p["inter_node"]),
                             attention=p["attention"], collective_staging=p.get("collective_staging", {}),
-                            sources=p["sources"])
+                            sources=p["sources"], device_names=tuple(p.get("device_names", ())))
     return out
+
+
+def profile_for_device(device_name: str) -> Profile:
+    """The profile of a device, by the name torch reports for it (e.g. "NVIDIA H200")."""
+    for p in profiles().values():
+        if any(key in device_name for key in p.device_names):
+            return p
+    raise ValueError(f"no hardware profile matches {device_name!r}; choose one of {', '.join(profiles())}")
+
+
+def record_measured(name: str, figures: dict, source: str) -> Path:
+    """Write measured `figures` (profile fields: flops, memory_bandwidth, memory_gib) into profile `name`.
+
+    The file is replaced whole (written beside it, then renamed), so a reader never
+    sees half of it; `source` says how the figures were measured.
+    """
+    path = Path(str(resources.files("sim").joinpath("profiles.json")))
+    raw = json.loads(path.read_text())
+    if name not in raw:
+        raise ValueError(f"unknown hardware {name!r}; choose one of {', '.join(raw)}")
+    entry = raw[name]
+    for key, value in figures.items():
+        entry[key] = {**entry[key], **value} if isinstance(value, dict) else value
+    entry["sources"] = {"measured: " + ", ".join(figures): source,
+                        **{k: v for k, v in entry["sources"].items() if not k.startswith("measured: ")}}
+    tmp = path.with_name(f".{path.name}.partial")
+    tmp.write_text(json.dumps(raw, indent=2) + "\n")
+    tmp.replace(path)
+    profiles.cache_clear()
+    return path
 
 
 def get_profile(name: str) -> Profile:

@@ -1,6 +1,7 @@
 """Session set-up that has to happen before any test imports the library."""
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import torch
@@ -12,3 +13,24 @@ if not torch.cuda.is_available():
     # interpreter is the only way the kernels run; spawned ranks inherit the setting
     # but keep to the torch reference unless ZEROFUNC_TRITON=1.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# A GPU image may carry torch and pytest but not hypothesis, and nothing can be installed
+# there. The property-based modules then cannot even be collected; leave them out, say
+# so in the header, and let `pytest -m cuda` run what needs no more than torch.
+HYPOTHESIS = importlib.util.find_spec("hypothesis") is not None
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _needs_hypothesis(name: str) -> bool:
+    with open(os.path.join(_HERE, name)) as f:
+        return any(line.startswith(("from hypothesis", "import hypothesis", "from tests.worlds")) for line in f)
+
+
+collect_ignore = [] if HYPOTHESIS else [n for n in sorted(os.listdir(_HERE))
+                                        if n.startswith("test_") and n.endswith(".py") and _needs_hypothesis(n)]
+
+
+def pytest_report_header(config):
+    if not HYPOTHESIS:
+        return f"hypothesis is not installed: {len(collect_ignore)} modules not collected ({', '.join(collect_ignore)})"
+    return None

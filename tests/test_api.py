@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zerofunc
-from tests.worlds import in_world, rel_err
+from tests.bare import in_world, rel_err
 
 
 class ResidualMLP(nn.Module):

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings, strategies as st
 
+from tests.bare import OPTIM
 from tests.worlds import Case, IN_RANK, agreed_max, global_batches, in_world, reference_model, rel_err, small_cases
 from zerofunc.comm import DistCommunicator
 from zerofunc.engine import ZeroEngine
@@ -18,18 +19,6 @@ from zerofunc.overlap import DEFAULT_BUCKET_BYTES, Overlap
 from zerofunc.stages import STAGES
 
 STEPS = 3
-# eps 1e-5, not 1e-8: attention's key bias has an exactly-zero true gradient (softmax
-# ignores a constant added to a row of scores), so its computed gradient is 1e-11 to
-# 1e-10 of rounding noise whose sign depends on summation order. Adam divides by
-# sqrt(v) + eps, so with eps 1e-8 that noise becomes an lr-sized step that differs
-# between any two summation orders (one device vs. N ranks); with 1e-6 it still
-# reached 1.4e-5 of that bias. 1e-5 stays well below the real gradients here (1e-4 to
-# 1e-2), and the gradients are compared directly as well, at 1e-5.
-# lr 1e-3 (the trainer's default) for the same reason: where a gradient nearly cancels,
-# Adam turns summation-order rounding into lr/eps times as much update. At lr 1e-2 with
-# 12 accumulated micro-batches a wte element reached 1.5e-5; a wrong update still
-# shows at lr 1e-3, two orders of magnitude above the tolerance.
-OPTIM = AdamWConfig(lr=1e-3, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1)
 TOL = 1e-5
 
 

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from tests.worlds import in_world, rel_err
+from tests.bare import in_world, rel_err
 
 transformers = pytest.importorskip("transformers")
 

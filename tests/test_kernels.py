@@ -28,7 +28,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.worlds import in_world
+from tests import bare
+from tests.bare import GUARD, close, in_world
 from zerofunc import fused
 from zerofunc.comm import DistCommunicator
 from zerofunc.engine import ZeroEngine
@@ -44,21 +45,10 @@ sizes = st.sampled_from([1, 2, 7, B - 1, B, B + 1, 2 * B + 3, 3000]) | st.intege
 grad_dtypes = st.sampled_from([torch.float32, torch.bfloat16, torch.float16])
 out_dtypes = st.sampled_from([None, torch.bfloat16, torch.float16, torch.float32])
 betas_choices = st.sampled_from([(0.9, 0.999), (0.9, 0.95), (0.5, 0.9), (0.0, 0.99), (0.8, 0.99)])
-GUARD = 37.0  # fills the memory just past a buffer's end: a kernel that ignores its tail mask overwrites it
 
 
-def guarded(n: int, dtype: torch.dtype, fill: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A flat tensor of n elements followed, in the same storage, by a guard block of GUARD."""
-    store = torch.full((n + B,), GUARD, dtype=dtype, device=DEVICE)
-    if fill is not None:
-        store[:n] = fill
-    return store[:n], store[n:]
-
-
-def close(ours: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float, float]:
-    diff = (ours - ref).abs().max().item()
-    tol = 1e-6 * max(1.0, ref.abs().max().item())
-    return diff <= tol, diff, tol
+def guarded(n: int, dtype: torch.dtype, fill=None):
+    return bare.guarded(n, dtype, fill, DEVICE)
 
 
 def test_the_kernels_really_run_interpreted_without_a_gpu():
@@ -98,7 +88,8 @@ def test_adamw_kernel_matches_the_reference(n, grad_dtype, out_dtype, betas, ste
             assert torch.equal(ref_out, ref[0].to(out_dtype))
     for guard in guards + ((out_guard,) if out is not None else ()):
         assert torch.all(guard == GUARD), "wrote past the end"
-    assert not torch.equal(ours[0], init)  # something happened
+    # the kernel ran: its first moment moved (the parameter's own net update can cancel to the bit over a few steps)
+    assert not torch.equal(ours[1], torch.zeros_like(ours[1]))
 
 
 def test_adamw_reference_is_adamw_on_the_scaled_gradient_and_runs_on_meta():

@@ -106,13 +106,13 @@ def _gloo_staging() -> tuple[int, int, int]:
     import torch.distributed as dist
 
     from sim.memory import MemoryTracker
-    from zerofunc.comm import DistCommunicator, _reduce_scatter_single
+    from zerofunc.comm import DistCommunicator, reduce_scatter_single
 
     observed = MemoryTracker()
     with observed:
         inp, out = torch.ones(1000), torch.empty(1000 // dist.get_world_size())
         before = observed.peak
-        _reduce_scatter_single(out, inp)
+        reduce_scatter_single(out, inp)
     comm, counted = DistCommunicator(), MemoryTracker()
     comm.memory = counted
     with counted:
@@ -123,7 +123,7 @@ def _gloo_staging() -> tuple[int, int, int]:
 
 
 def test_gloo_staging_is_what_the_communicator_counts():
-    from tests.worlds import in_world
+    from tests.bare import in_world
     for observed, during, after in in_world(2, _gloo_staging):
         assert observed == 4000  # a full copy of the 4000-byte input: comm.GLOO_STAGING
         assert (during, after) == (4000, 0)

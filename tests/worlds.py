@@ -15,23 +15,13 @@ import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, Phase, settings, strategies as st
 
-from zerofunc.launch import spawn
+from tests.bare import in_world, rel_err  # noqa: F401  (re-exported: the tests import them from here)
 from zerofunc.models import GPT, GPTConfig
 
 # No shrinking: every shrink step re-runs a case on all ranks, which made one failing
 # run take minutes; the drawn cases are small enough to read unshrunk.
 IN_RANK = settings(derandomize=True, database=None, deadline=None, print_blob=False,
                    suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
-
-
-def _one_thread(fn, *args):
-    torch.set_num_threads(1)  # up to 4 ranks share 2 cores
-    return fn(*args)
-
-
-def in_world(world_size: int, fn, *args):
-    """Run `fn(*args)` on `world_size` gloo ranks; the list of their results."""
-    return spawn(_one_thread, world_size, fn, *args, timeout=600)
 
 
 def agreed_max(x: float) -> float:
@@ -80,8 +70,3 @@ def global_batches(case: Case, world_size: int, steps: int):
     size = case.micro_batch * world_size
     rows = [torch.randint(0, case.cfg.vocab_size, (size, case.seq + 1), generator=gen) for _ in range(steps)]
     return [(r[:, :-1], r[:, 1:], torch.arange(size) + step * size) for step, r in enumerate(rows)]
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Norm-wise relative error of `a` against `b`."""
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()

@@ -16,8 +16,8 @@ from sim.ledger import Ledger, LedgerEntry
 from sim.memory import NoMemoryTracking
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; keep working on either side.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class Handle(Protocol):
@@ -113,9 +113,9 @@ class DistCommunicator(Communicator):
     def _run(self, op: str, async_op: bool, out, inp=None, mean: bool = False, src: int = 0) -> Handle:
         g = self.group
         if op == "all_gather":
-            work = _all_gather_single(out, inp, group=g, async_op=async_op)
+            work = all_gather_single(out, inp, group=g, async_op=async_op)
         elif op == "reduce_scatter":
-            work = _reduce_scatter_single(out, inp, op=self._reduce_op(mean), group=g, async_op=async_op)
+            work = reduce_scatter_single(out, inp, op=self._reduce_op(mean), group=g, async_op=async_op)
         elif op == "all_reduce":
             work = dist.all_reduce(out, op=self._reduce_op(mean), group=g, async_op=async_op)
         else:

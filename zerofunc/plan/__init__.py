@@ -24,10 +24,10 @@ from sim.hardware import Profile, get_profile
 from sim.ledger import LedgerEntry
 from sim.memory import MemoryReport, MemoryTracker
 from sim.roofline import Roofline
+from zerofunc.api import initialize
 from zerofunc.comm import RecordingCommunicator
-from zerofunc.engine import ZeroEngine
+from zerofunc.config import Config
 from zerofunc.models import GPT, MODELS, GPTConfig, model_config
-from zerofunc.optim import AdamWConfig
 from zerofunc.overlap import Overlap
 from zerofunc.stages import get_stage
 from zerofunc.step import train_step
@@ -87,6 +87,11 @@ class Plan:
     @property
     def overlap(self) -> Overlap:
         return Overlap(self.prefetch_depth, self.bucket_bytes)
+
+    def zero_config(self) -> Config:
+        """The DeepSpeed-style config the trainer runs this plan with (default AdamW, no clipping)."""
+        return Config(stage=self.stage, micro_batch=self.micro_batch, train_batch_size=self.micro_batch * self.world_size,
+                      precision=self.precision, overlap=self.overlap)
 
 
 @dataclass
@@ -152,8 +157,9 @@ def simulate(plan: Plan, timeline: bool = False, timing: bool = True) -> Simulat
     tracker = MemoryTracker(keep_timeline=timeline)
     with torch.device("meta"):
         model = GPT(plan.config) if plan.params is None else ParamsOnly(plan.params)
-    engine = ZeroEngine(model, get_stage(plan.stage), comm, AdamWConfig(), device="meta",
-                        precision=plan.precision, memory=tracker, overlap=plan.overlap)
+    # Built as the trainer builds it (fp16's loss scaler included), only on meta and without weights.
+    engine = initialize(model, plan.zero_config(), device="meta", comm=comm, memory=tracker,
+                        init=lambda name, shape: None, compile=False)
     batch = () if plan.params is not None else _meta_batch(plan)
     roofline = Roofline({k: v * profile.compute_efficiency for k, v in profile.flops.items()},
                         profile.memory_bandwidth)

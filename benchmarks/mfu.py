@@ -1,0 +1,60 @@
+"""Tokens/s and model FLOPs utilization of a `python -m train` run, from its metrics.jsonl.
+
+    python benchmarks/mfu.py runs/latest/metrics.jsonl --model gpt2-small --seq 128 [--hardware h200-sxm]
+
+Training FLOPs per token are 6N for the weights (forward 2N, backward 4N) plus
+12 * layers * width * seq for attention's scores and values (PaLM, appendix B). The
+rate is the profile's bf16 matmul rate: measured where `python -m zerofunc.check
+--calibrate` has run on the device, published otherwise (the profile's sources say
+which). Steps before --skip (compilation, warm-up) are left out; tokens/s is the median.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from sim.hardware import get_profile  # noqa: E402
+from zerofunc.models import GPT, MODELS, model_config  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("metrics", type=Path)
+    p.add_argument("--model", choices=list(MODELS), required=True)
+    p.add_argument("--seq", type=int, required=True, help="the run's --seq")
+    p.add_argument("--nproc", type=int, default=1, help="the run's ranks (one device each)")
+    p.add_argument("--hardware", default="h200-sxm")
+    p.add_argument("--skip", type=int, default=5, help="leading steps left out")
+    a = p.parse_args(argv)
+    try:
+        rows = [json.loads(line) for line in a.metrics.read_text().splitlines()]
+    except (OSError, json.JSONDecodeError) as e:
+        print(f"error: cannot read {a.metrics}: {e}", file=sys.stderr)
+        return 2
+    timed = rows[a.skip:]
+    if not timed:
+        print(f"error: {a.metrics} has {len(rows)} steps, none after --skip {a.skip}", file=sys.stderr)
+        return 2
+    cfg = model_config(a.model)
+    with torch.device("meta"):
+        n = sum(p.numel() for p in GPT(cfg).parameters())  # the head is tied: counted once
+    per_token = 6 * n + 12 * cfg.n_layer * cfg.n_embd * a.seq
+    tokens_per_step = rows[0]["tokens"]
+    tokens_per_s = statistics.median(tokens_per_step / r["time_s"] for r in timed)
+    profile = get_profile(a.hardware)
+    rate = profile.flops["bf16"]
+    source = next((v for k, v in profile.sources.items() if "flops" in k), "")
+    print(f"{a.model} ({n / 1e6:.1f}M parameters), seq {a.seq}, {len(timed)} steps after {a.skip}: "
+          f"{tokens_per_s:,.0f} tokens/s, {tokens_per_s * per_token / 1e12:.1f} TFLOP/s, "
+          f"MFU {tokens_per_s * per_token / (rate * a.nproc):.1%} of {a.nproc} x {rate / 1e12:.0f} TFLOP/s bf16 ({profile.name}: {source[:60]})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""python -m zerofunc.check: the planner against real steps in simulated worlds of 1 to 64 ranks, on CPU.
+
+A simulated world needs a process without a process group, so each check runs in a
+fresh process: the command itself, or a spawned worker.
+"""
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing
+import os
+import subprocess
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from zerofunc.check.__main__ import main as check_main
+from zerofunc.check.cells import Cell
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_check(*argv: str, cwd: Path = ROOT) -> tuple[int, str, str]:
+    env = os.environ | {"PYTHONPATH": str(ROOT)}  # as on a machine where zerofunc is not installed
+    done = subprocess.run([sys.executable, "-m", "zerofunc.check", *argv], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=900)
+    return done.returncode, done.stdout, done.stderr
+
+
+def in_fresh_process(fn, *args):
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
+def assert_plan_holds(cells: list[dict], tolerance: float) -> None:
+    for c in cells:
+        where = f"stage {c['stage']} x {c['world_size']} ranks"
+        assert c["ledger_equal"] and c["planned_comm"] == c["measured_comm"], f"{where}: communication differs"
+        assert abs(c["planned_peak"] / c["measured_peak"] - 1) <= tolerance, f"{where}: peak ratio {c['peak_ratio']}"
+        assert all(math.isfinite(x) for x in c["losses"]), f"{where}: losses {c['losses']}"
+
+
+def test_gpt2_tiny_at_1_8_64_ranks_is_planned_to_the_byte_and_within_2_percent(tmp_path):
+    saved = tmp_path / "check.json"
+    code, out, err = run_check("--model", "gpt2-tiny", "--world-sizes", "1,8,64", "--json", "--json-out", str(saved))
+    assert code == 0, err
+    doc = json.loads(out)
+    assert json.loads(saved.read_text()) == doc
+    cells = doc["cells"]
+    assert [(c["stage"], c["world_size"]) for c in cells] == [(s, n) for s in range(4) for n in (1, 8, 64)]
+    assert doc["failures"] == [] and doc["environment"]["torch"] == torch.__version__
+    assert_plan_holds(cells, 0.02)
+    # The simulated worlds really are N ranks: stage 3 keeps 1/N of the states, so its peak falls with N.
+    stage3 = {c["world_size"]: c["measured_peak"] for c in cells if c["stage"] == 3}
+    assert stage3[64] < stage3[8] < stage3[1]
+
+
+def _wide_gpt_cells():
+    from zerofunc.check.cells import run_cell
+    from zerofunc.models import GPTConfig
+    from zerofunc.plan import Plan
+
+    cfg = GPTConfig(n_layer=2, n_head=8, n_embd=512, vocab_size=256, block_size=128)
+    return [run_cell(Plan(world_size=64, stage=s, model=cfg, precision="fp32", micro_batch=2, hardware="cpu-gloo"),
+                     torch.device("cpu")).as_json() for s in range(4)]
+
+
+def test_a_wider_gpt_at_64_ranks():
+    assert_plan_holds(in_fresh_process(_wide_gpt_cells), 0.02)
+
+
+def _twin_world_collectives():
+    """What the collectives leave behind in a simulated world of 4, through the project's communicator."""
+    from zerofunc.check.world import simulated_world
+
+    with simulated_world(4) as comm:
+        gathered, scattered, summed = torch.zeros(8), torch.zeros(2), torch.arange(3.0)
+        comm.all_gather(gathered, torch.tensor([1.0, 2.0]))
+        comm.reduce_scatter(scattered, torch.arange(8.0))
+        comm.all_reduce(summed)
+        try:
+            with simulated_world(2):
+                nested = "no error"
+        except RuntimeError as e:
+            nested = str(e)
+        ledger = [(e.op, e.nbytes, e.group_size) for e in comm.ledger]
+    return gathered.tolist(), scattered.tolist(), summed.tolist(), nested, ledger
+
+
+def test_a_simulated_world_is_rank_0_among_twins():
+    """Every rank holds rank 0's data: gathers tile its shard, a mean-reduce-scatter keeps its slice,
+    on every torch (2.11's fake group leaves the reduce-scatter's output untouched; the world writes it)."""
+    gathered, scattered, summed, nested, ledger = in_fresh_process(_twin_world_collectives)
+    assert gathered == [1.0, 2.0] * 4
+    assert scattered == [0.0, 1.0]
+    assert summed == [0.0, 1.0, 2.0]
+    assert "already running" in nested
+    assert ledger == [("all_gather", 32, 4), ("reduce_scatter", 32, 4), ("all_reduce", 12, 4)]
+
+
+def test_failures_name_what_disagrees():
+    cell = Cell(stage=2, world_size=8, planned_peak=1000, measured_peak=1000, planned_comm=64, measured_comm=64,
+                ledger_equal=True, planned_step_s=0.0, planned_compute_s=0.0, losses=[1.0])
+    assert cell.failures(0.05) == []
+    cell.measured_peak = 940
+    assert cell.failures(0.05) == ["peak planned/measured 1.0638, outside 5%"]
+    cell.measured_peak, cell.measured_comm, cell.ledger_equal = 1000, 72, False
+    assert cell.failures(0.05) == ["communication planned 64 B, executed 72 B"]
+    cell.measured_comm, cell.losses = 64, [1.0, float("nan")]
+    assert cell.failures(0.05) == ["the collectives differ (same bytes)", "non-finite loss [1.0, nan]"]
+
+
+def test_a_failing_cell_exits_1_and_is_named():
+    """With no tolerance, the residual few kilobytes (the loss ops' CPU kernels against their meta ones) fail."""
+    code, out, err = run_check("--world-sizes", "2", "--stage", "1", "--tolerance", "0")
+    assert code == 1
+    assert err.startswith("check failed: stage 1 x 2 ranks: peak planned/measured") and err.count("\n") == 1
+    assert "stage" in out and "measured peak MiB" in out
+
+
+def test_help_runs_from_a_checkout_anywhere(tmp_path):
+    code, out, _ = run_check("--help", cwd=tmp_path)
+    assert code == 0 and out.startswith("usage: python -m zerofunc.check")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--world-sizes", "0,8"], "--world-sizes takes positive integers"),
+    (["--world-sizes", "eight"], "--world-sizes takes positive integers"),
+    (["--model", "gpt5"], "unknown model 'gpt5'"),
+    (["--seq", "4096"], "does not fit the model's context of 256"),
+    (["--micro-batch", "0"], "micro-batch must be at least 1"),
+    (["--stage", "4"], "stage must be one of 0, 1, 2, 3"),
+    (["--precision", "fp8"], "precision must be one of"),
+    (["--hardware", "tpu"], "unknown hardware 'tpu'"),
+    (["--steps", "0"], "need --steps >= 1"),
+    (["--json-out", "/nonexistent/dir/x.json"], "its directory does not exist"),
+    pytest.param(["--device", "cuda"], "no CUDA device is available",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
+    pytest.param(["--calibrate"], "--calibrate measures a CUDA GPU",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
+    code = check_main(argv)  # in this process: bad input is refused before any world starts
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1

@@ -1,0 +1,76 @@
+"""Simulated worlds: be rank 0 of N ranks on one device, with PyTorch's fake process group.
+
+`dist.init_process_group("fake", ...)` gives a process group whose collectives move no
+data and return at once, while every tensor the step allocates is real: gathered units,
+gradient buckets, staging, optimizer shards. The project's `DistCommunicator` runs over
+it unchanged, so what a simulated world measures (memory, the ledger, time) is the code
+that trains. This is how PyTorch checks FSDP's memory without N GPUs.
+
+What the data means: every rank is taken to be rank 0's twin. The fake group already
+behaves so for all-gathers (each rank's slot receives rank 0's shard) and all-reduces
+(rank 0's buffer is left as is: the mean of N equal buffers). Its reduce-scatter leaves
+the output untouched in torch 2.11 (2.13 copies rank 0's slice), which would leave a
+gradient shard of uninitialized memory; `TwinCommunicator` writes that slice itself,
+when the group does not, so losses stay finite and the model really trains. That write
+is a copy between existing buffers: no allocation, no ledger entry.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from zerofunc.comm import GLOO_STAGING, DistCommunicator, Handle, reduce_scatter_single
+from zerofunc.layout import shard
+
+
+class TwinCommunicator(DistCommunicator):
+    """`DistCommunicator` on a fake group, with the twin-world reduce-scatter where the group lacks it."""
+
+    def __init__(self, staging: dict[str, float]):
+        super().__init__()
+        # The backend this world stands in for stages what it would stage (declared, as
+        # the communicator always does), so the tracker counts what a real run counts.
+        self.staging = staging
+        self._write_scatter = not _fake_reduce_scatter_writes()
+
+    def _run(self, op: str, async_op: bool, **kw) -> Handle:
+        work = super()._run(op, async_op, **kw)
+        if op == "reduce_scatter" and self._write_scatter:
+            kw["out"].copy_(shard(kw["inp"], self.rank, self.world_size))  # the mean of N equal inputs
+        return work
+
+
+@functools.cache
+def _fake_reduce_scatter_writes() -> bool:
+    """Whether this torch's fake group writes a reduce-scatter's output (2.13 does, 2.11 does not)."""
+    out = torch.zeros(1)
+    reduce_scatter_single(out, torch.ones(dist.get_world_size()))
+    return out.item() == 1.0
+
+
+def stood_in_staging(device: torch.device) -> dict[str, float]:
+    """What the backend a simulated world stands in for stages: gloo on CPU, NCCL (nothing) on CUDA."""
+    return dict(GLOO_STAGING) if device.type == "cpu" else {}
+
+
+@contextlib.contextmanager
+def simulated_world(world_size: int, device: torch.device | str = "cpu") -> Iterator[TwinCommunicator]:
+    """A fake process group of `world_size` ranks in which this process is rank 0; its communicator.
+
+    It needs a process without a process group of its own, and ends the fake group on exit.
+    """
+    if world_size < 1:
+        raise ValueError(f"a world needs at least 1 rank, got {world_size}")
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already running here; a simulated world needs a process of its own")
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield TwinCommunicator(stood_in_staging(torch.device(device)))
+    finally:
+        dist.destroy_process_group()
