@@ -9,12 +9,11 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings, strategies as st
 
-from tests.bare import OPTIM
-from tests.worlds import Case, IN_RANK, agreed_max, global_batches, in_world, reference_model, rel_err, small_cases
+from tests.bare import OPTIM, in_world, rel_err
+from tests.worlds import Case, IN_RANK, agreed_max, global_batches, reference_model, small_cases
 from zerofunc.comm import DistCommunicator
 from zerofunc.engine import ZeroEngine
 from zerofunc.models import GPT
-from zerofunc.optim import AdamWConfig
 from zerofunc.overlap import DEFAULT_BUCKET_BYTES, Overlap
 from zerofunc.stages import STAGES
 

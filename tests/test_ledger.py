@@ -20,7 +20,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from tests.worlds import IN_RANK, agreed_max, global_batches, in_world, small_cases
+from tests.bare import in_world
+from tests.worlds import IN_RANK, agreed_max, global_batches, small_cases
 from zerofunc.comm import DistCommunicator, RecordingCommunicator
 from zerofunc.engine import ZeroEngine
 from zerofunc.models import GPT

@@ -9,7 +9,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from sim.memory import MemoryTracker
-from tests.worlds import IN_RANK, agreed_max, global_batches, in_world, small_cases
+from tests.bare import in_world
+from tests.worlds import IN_RANK, agreed_max, global_batches, small_cases
 from train.cli import main as train_main
 from zerofunc.comm import DistCommunicator
 from zerofunc.engine import ZeroEngine

@@ -1,4 +1,4 @@
-"""Shared helpers for tests that run on real multi-process gloo groups.
+"""Shared helpers for the property-based tests that run on real multi-process gloo groups (hypothesis).
 
 A world is started once per test and runs many cases; hypothesis with
 `derandomize=True`, no example database and no shrinking draws the same cases on
@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, Phase, settings, strategies as st
 
-from tests.bare import in_world, rel_err  # noqa: F401  (re-exported: the tests import them from here)
 from zerofunc.models import GPT, GPTConfig
 
 # No shrinking: every shrink step re-runs a case on all ranks, which made one failing

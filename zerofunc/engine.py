@@ -7,10 +7,8 @@ gradient at once, the moment backward has finished with the unit. There the stag
 decides what to do with it (all-reduce, reduce-scatter, or keep it for later).
 
 Stage 3 additionally frees each gathered buffer after the unit's forward and gathers
-it again on demand in backward: the views stay valid because only their storage is
-released (as PyTorch FSDP1 does), and a saved-tensor hook notices when backward
-unpacks a weight of a released unit. Gradients come from torch autograd; torch.func's
-transforms return zeros through collectives.
+it again on demand in backward (zerofunc/gather.py). Gradients come from torch
+autograd; torch.func's transforms return zeros through collectives.
 
 Communication overlaps compute (see zerofunc/overlap.py): stage 3 gathers the next
 blocks while one computes, and every stage launches a block's gradient reduction as
@@ -28,6 +26,7 @@ import torch.nn as nn
 from torch.func import functional_call
 
 from zerofunc.comm import Communicator
+from zerofunc.gather import UnitGathering
 from zerofunc.layout import shard
 from zerofunc.loss_scale import LossScaler
 from zerofunc.optim import AdamWConfig
@@ -66,15 +65,6 @@ def _bind(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch
         replaced[name] = owner._parameters[attr]
         owner._parameters[attr] = t
     return replaced
-
-
-class _SavedUnitWeight:
-    """What stage 3's pack hook saves instead of a weight: the weight plus its unit."""
-
-    __slots__ = ("unit", "tensor")
-
-    def __init__(self, unit: Unit, tensor: torch.Tensor):
-        self.unit, self.tensor = unit, tensor
 
 
 class ZeroEngine:
@@ -116,17 +106,16 @@ class ZeroEngine:
         self.optimizer = ShardedAdamW(self.units, stage, comm, optim, self.memory, clip, loss_scaler,
                                       overlap.bucket_bytes)
         self._anchor = torch.empty(0, device=self.device, requires_grad=True)
-        self._by_buffer = {id(u.full): u for u in self.units}
         self._root = next((u for u in self.units if u.name == ""), None)  # parameters outside any block
-        self._blocks = [u for u in self.units if u.name != ""]
-        self._block_index = {id(u): i for i, u in enumerate(self._blocks)}
-        for unit in self._blocks:
+        self.gathering = UnitGathering(self.units, stage, comm, overlap, self.memory)
+        for unit in self.gathering.blocks:
             unit.module.register_forward_pre_hook(self._gather_and_bind(unit))
             unit.module.register_forward_hook(self._unbind_and_release(unit))
             if compile:  # the block's compute only: its hooks gather, bind and release outside the graph
                 unit.module.forward = torch.compile(unit.module.forward)
                 if stage.shard_params:  # a compiled backward saves its weights past the pack hook
-                    unit.module.register_full_backward_pre_hook(lambda module, grad_out, u=unit: self._regather(u))
+                    unit.module.register_full_backward_pre_hook(
+                        lambda module, grad_out, u=unit: self.gathering.regather(u))
 
     # ---- forward -----------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -142,55 +131,24 @@ class ZeroEngine:
         self.memory.mark("forward")
         views: dict[str, torch.Tensor] = {}
         if self._root is not None:
-            self._gather(self._root, "params.fwd")
+            self.gathering.gather(self._root, "params.fwd")
             views = self._unit_views(self._root)
         with self.memory.category("activations"):
             if not self.stage.shard_params:
                 return functional_call(self.model, views, args, kwargs)
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            with self.gathering.saved_tensors_hooks():
                 out = functional_call(self.model, views, args, kwargs)
         if self._root is not None:
-            self._release(self._root)
+            self.gathering.release(self._root)
         return out
 
     def _unit_views(self, unit: Unit) -> dict[str, torch.Tensor]:
         return unit.layout.views(_UnitBoundary.apply(self._anchor, self, unit))
 
-    def _gather(self, unit: Unit, tag: str, prefetch: bool = False) -> None:
-        """Make the unit's whole weights available; a prefetch only starts the gather, a use waits for it."""
-        if not unit.gathered:
-            unit.full.untyped_storage().resize_(unit.full.numel() * unit.full.element_size())
-            self.memory.resized(unit.full)
-            handle = self.comm.all_gather(unit.full, unit.params, tag=tag, async_op=prefetch)
-            unit.gathering, unit.gathered = (handle if prefetch else None), True
-        if not prefetch and unit.gathering is not None:
-            unit.gathering.wait()
-            unit.gathering = None
-
-    def _prefetch(self, unit: Unit, direction: int, tag: str) -> None:
-        """Stage 3: start gathering the `prefetch_depth` blocks that run after `unit`
-        (direction +1 in forward, -1 in backward)."""
-        if not self.stage.shard_params or unit.name == "":
-            return
-        i = self._block_index[id(unit)]
-        for k in range(i + direction, i + direction * (self.overlap.prefetch_depth + 1), direction):
-            if 0 <= k < len(self._blocks):
-                self._gather(self._blocks[k], tag, prefetch=True)
-
-    def _release(self, unit: Unit) -> None:
-        """Free a gathered unit's storage; only stage 3 ever gathers, so elsewhere this does nothing."""
-        if unit.gathered and self.stage.shard_params:
-            if unit.gathering is not None:  # never free a buffer a collective is still writing
-                unit.gathering.wait()
-                unit.gathering = None
-            unit.full.untyped_storage().resize_(0)
-            self.memory.resized(unit.full)
-            unit.gathered = False
-
     def _gather_and_bind(self, unit: Unit):
         def hook(module, args):
-            self._gather(unit, "params.fwd")
-            self._prefetch(unit, +1, "params.fwd")
+            self.gathering.gather(unit, "params.fwd")
+            self.gathering.prefetch(unit, +1, "params.fwd")
             unit.bound = _bind(self.model, self._unit_views(unit))
         return hook
 
@@ -198,23 +156,8 @@ class ZeroEngine:
         def hook(module, args, out):
             _bind(self.model, unit.bound)
             unit.bound = None
-            self._release(unit)
+            self.gathering.release(unit)
         return hook
-
-    def _regather(self, unit: Unit) -> None:
-        """Stage 3, backward needs the unit's weights again: gather it, and start on the blocks after it."""
-        self._gather(unit, "params.bwd")
-        self._prefetch(unit, -1, "params.bwd")
-
-    def _pack(self, t: torch.Tensor):
-        unit = self._by_buffer.get(id(t._base)) if t._base is not None else None
-        return t if unit is None else _SavedUnitWeight(unit, t)
-
-    def _unpack(self, saved):
-        if isinstance(saved, _SavedUnitWeight):
-            self._regather(saved.unit)
-            return saved.tensor
-        return saved
 
     # ---- backward ----------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
@@ -227,8 +170,7 @@ class ZeroEngine:
         with self.memory.category("activations"):
             (loss * scale if scale != 1.0 else loss).backward()
         self._reducing.drain()
-        for unit in self._blocks:  # a prefetch of a block the model did not run again must not go stale
-            self._release(unit)
+        self.gathering.release_blocks()
         self.micro_step += 1
 
     def _unit_backward(self, unit: Unit, grad: torch.Tensor) -> None:
@@ -264,7 +206,7 @@ class ZeroEngine:
                 unit.grad = reduced if unit.grad is None else unit.grad.add_(reduced)
 
         self._reducing.add(comm.reduce_scatter(reduced, sent, tag="grads", async_op=overlapped), nbytes, done)
-        self._release(unit)  # stage 3: backward is done with this unit's weights
+        self.gathering.release(unit)  # stage 3: backward is done with this unit's weights
 
     # ---- optimizer ---------------------------------------------------------------
     def step(self, lr: Optional[float] = None) -> bool:

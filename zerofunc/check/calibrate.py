@@ -31,17 +31,21 @@ def _median_s(fn: Callable[[], None], warmup: int = 3, iters: int = 20) -> float
     return statistics.median(times)
 
 
-def measure(device: torch.device) -> dict:
-    """Matmul FLOP/s per dtype (torch's defaults: fp32 without TF32), copy bandwidth, and total memory."""
-    flops = {}
-    for name, dtype in DTYPES.items():
-        a, b = (torch.randn(MATMUL_N, MATMUL_N, device=device, dtype=dtype) for _ in range(2))
-        flops[name] = 2 * MATMUL_N**3 / _median_s(lambda: torch.mm(a, b))
-        del a, b
+def _matmul_rate(dtype: torch.dtype, device: torch.device) -> float:
+    a, b = (torch.randn(MATMUL_N, MATMUL_N, device=device, dtype=dtype) for _ in range(2))
+    return 2 * MATMUL_N**3 / _median_s(lambda: torch.mm(a, b))
+
+
+def _copy_bandwidth(device: torch.device) -> float:
     src = torch.empty(COPY_BYTES // 4, device=device)
     dst = torch.empty_like(src)
-    bandwidth = 2 * COPY_BYTES / _median_s(lambda: dst.copy_(src))  # read once, written once
-    del src, dst
+    return 2 * COPY_BYTES / _median_s(lambda: dst.copy_(src))  # read once, written once
+
+
+def measure(device: torch.device) -> dict:
+    """Matmul FLOP/s per dtype (torch's defaults: fp32 without TF32), copy bandwidth, and total memory."""
+    flops = {name: _matmul_rate(dtype, device) for name, dtype in DTYPES.items()}
+    bandwidth = _copy_bandwidth(device)
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(device).total_memory
     return {"flops": flops, "memory_bandwidth": bandwidth, "memory_gib": round(total / 2**30, 2)}

@@ -77,45 +77,49 @@ def run_cell(plan: Plan, device: torch.device, compile: bool = False, steps: int
     On CUDA a first, unmeasured step warms up (compilation, cuBLAS's workspace).
     """
     sim = simulate(plan)
-    cuda = device.type == "cuda"
     with simulated_world(plan.world_size, device) as comm:
-        with torch.device("meta"):
-            model = GPT(plan.config)
-        tracker = MemoryTracker()
-        engine = initialize(model, plan.zero_config(), device=device, comm=comm, memory=tracker, compile=compile,
-                            init=lambda name, shape: model.init_param(name, shape, 0))
-        batch = [sample_batch(plan, device)]
-        peaks, times, losses, equal, executed = [], [], [], True, 0
+        cell = _measure(plan, sim, comm, device, compile, steps)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the next cell starts from an empty reserve
+    return cell
+
+
+def _measure(plan: Plan, sim, comm, device: torch.device, compile: bool, steps: int) -> Cell:
+    cuda = device.type == "cuda"
+    with torch.device("meta"):
+        model = GPT(plan.config)
+    tracker = MemoryTracker()
+    engine = initialize(model, plan.zero_config(), device=device, comm=comm, memory=tracker, compile=compile,
+                        init=lambda name, shape: model.init_param(name, shape, 0))
+    batch = [sample_batch(plan, device)]
+    peaks, times, losses, equal, executed = [], [], [], True, 0
+    if cuda:
+        train_step(engine, batch)
+        torch.cuda.synchronize(device)
+    for _ in range(steps):
+        comm.ledger.clear()
         if cuda:
-            train_step(engine, batch)
+            torch.cuda.reset_peak_memory_stats(device)
+            t0 = time.perf_counter()
+            loss = train_step(engine, batch)
             torch.cuda.synchronize(device)
-        for _ in range(steps):
-            comm.ledger.clear()
-            if cuda:
-                torch.cuda.reset_peak_memory_stats(device)
-                t0 = time.perf_counter()
-                loss = train_step(engine, batch)
-                torch.cuda.synchronize(device)
-                times.append(time.perf_counter() - t0)
-                peaks.append(torch.cuda.max_memory_allocated(device))
-            else:
-                tracker.reset_peak()
-                with tracker:
-                    loss = train_step(engine, batch)
-                peaks.append(tracker.peak)
-            losses.append(loss.item())
-            equal &= comm.ledger.entries == sim.ledger
-            executed = max(executed, comm.ledger.volume_bytes())
-        cell = Cell(plan.stage, plan.world_size, sim.memory.peak, max(peaks), sim.volume_bytes, executed, equal,
-                    sim.step_s, sim.compute_s, losses)
-        if cuda:
-            cell.measured_step_s = statistics.median(times)
-            cell.reserved = torch.cuda.memory_reserved(device)
+            times.append(time.perf_counter() - t0)
+            peaks.append(torch.cuda.max_memory_allocated(device))
+        else:
             tracker.reset_peak()
             with tracker:
-                train_step(engine, batch)
-            cell.tracked_peak = tracker.peak
-        del engine, model
-        if cuda:
-            torch.cuda.empty_cache()
+                loss = train_step(engine, batch)
+            peaks.append(tracker.peak)
+        losses.append(loss.item())
+        equal &= comm.ledger.entries == sim.ledger
+        executed = max(executed, comm.ledger.volume_bytes())
+    cell = Cell(plan.stage, plan.world_size, sim.memory.peak, max(peaks), sim.volume_bytes, executed, equal,
+                sim.step_s, sim.compute_s, losses)
+    if cuda:
+        cell.measured_step_s = statistics.median(times)
+        cell.reserved = torch.cuda.memory_reserved(device)
+        tracker.reset_peak()
+        with tracker:
+            train_step(engine, batch)
+        cell.tracked_peak = tracker.peak
     return cell

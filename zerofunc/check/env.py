@@ -69,7 +69,7 @@ def as_text(info: dict) -> str:
         ("zerofunc", info["zerofunc"]),
         ("device", info["device"] + (f", {gib:.1f} GiB" if gib else "")),
         ("collectives", f"{info['backend']}" + (f" (NCCL {info['nccl']})" if info["nccl"] else "")
-         + f"; simulated worlds use PyTorch's fake process group"),
+         + "; simulated worlds use PyTorch's fake process group"),
         ("fused kernels", "in use (Triton)" if info["fused_kernels"] else "not in use (torch reference; Triton runs on CUDA)"),
         ("torch.compile", "on" if info["compile"] else "off"),
     ]

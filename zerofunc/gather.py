@@ -1,0 +1,98 @@
+"""Stage 3's weights, unit by unit: gathered just before use, prefetched ahead, released after.
+
+A rank keeps only its shard of each unit (`unit.params`); `unit.full` is the buffer the
+forward takes views of, whose storage exists only while the unit is gathered. Release
+frees that storage in place (`untyped_storage().resize_(0)`, as PyTorch FSDP1 does), so
+every view of it stays valid and is filled again by the next gather.
+
+Backward needs a block's weights again. Eager autograd unpacks them through the
+saved-tensor hooks below, which notice a weight of a released unit and gather it; a
+compiled block saves its weights where those hooks cannot see, so the engine gathers it
+in a backward pre-hook instead (`regather`). Either way, the blocks backward reaches
+next are prefetched (`Overlap.prefetch_depth` of them), in forward order or in reverse.
+
+Under stages 0-2 every unit is always gathered (`unit.full` is the whole parameter
+buffer), and every method here does nothing.
+"""
+from __future__ import annotations
+
+import torch
+
+from zerofunc.comm import Communicator
+from zerofunc.overlap import Overlap
+from zerofunc.stages import Stage
+from zerofunc.units import Unit
+
+
+class _SavedUnitWeight:
+    """What the pack hook saves instead of a weight: the weight plus its unit."""
+
+    __slots__ = ("unit", "tensor")
+
+    def __init__(self, unit: Unit, tensor: torch.Tensor):
+        self.unit, self.tensor = unit, tensor
+
+
+class UnitGathering:
+    """Gathers, prefetches and releases the units of one engine; `blocks` in forward order."""
+
+    def __init__(self, units: list[Unit], stage: Stage, comm: Communicator, overlap: Overlap, memory):
+        self.stage, self.comm, self.overlap, self.memory = stage, comm, overlap, memory
+        self.blocks = [u for u in units if u.name != ""]
+        self._block_index = {id(u): i for i, u in enumerate(self.blocks)}
+        self._by_buffer = {id(u.full): u for u in units}
+
+    def gather(self, unit: Unit, tag: str, prefetch: bool = False) -> None:
+        """Make the unit's whole weights available; a prefetch only starts the gather, a use waits for it."""
+        if not unit.gathered:
+            unit.full.untyped_storage().resize_(unit.full.numel() * unit.full.element_size())
+            self.memory.resized(unit.full)
+            handle = self.comm.all_gather(unit.full, unit.params, tag=tag, async_op=prefetch)
+            unit.gathering, unit.gathered = (handle if prefetch else None), True
+        if not prefetch and unit.gathering is not None:
+            unit.gathering.wait()
+            unit.gathering = None
+
+    def prefetch(self, unit: Unit, direction: int, tag: str) -> None:
+        """Start gathering the `prefetch_depth` blocks that run after `unit` (direction +1 in forward,
+        -1 in backward)."""
+        if not self.stage.shard_params or unit.name == "":
+            return
+        i = self._block_index[id(unit)]
+        for k in range(i + direction, i + direction * (self.overlap.prefetch_depth + 1), direction):
+            if 0 <= k < len(self.blocks):
+                self.gather(self.blocks[k], tag, prefetch=True)
+
+    def release(self, unit: Unit) -> None:
+        """Free a gathered unit's storage; only stage 3 ever gathers, so elsewhere this does nothing."""
+        if unit.gathered and self.stage.shard_params:
+            if unit.gathering is not None:  # never free a buffer a collective is still writing
+                unit.gathering.wait()
+                unit.gathering = None
+            unit.full.untyped_storage().resize_(0)
+            self.memory.resized(unit.full)
+            unit.gathered = False
+
+    def release_blocks(self) -> None:
+        """After backward: a prefetch of a block the model did not run again must not go stale."""
+        for unit in self.blocks:
+            self.release(unit)
+
+    def regather(self, unit: Unit) -> None:
+        """Backward needs the unit's weights again: gather it, and start on the blocks after it."""
+        self.gather(unit, "params.bwd")
+        self.prefetch(unit, -1, "params.bwd")
+
+    def saved_tensors_hooks(self):
+        """Autograd's pack/unpack hooks that gather a released unit when backward unpacks one of its weights."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor):
+        unit = self._by_buffer.get(id(t._base)) if t._base is not None else None
+        return t if unit is None else _SavedUnitWeight(unit, t)
+
+    def _unpack(self, saved):
+        if isinstance(saved, _SavedUnitWeight):
+            self.regather(saved.unit)
+            return saved.tensor
+        return saved
