@@ -69,13 +69,14 @@ def profile_for_device(device_name: str) -> Profile:
     raise ValueError(f"no hardware profile matches {device_name!r}; choose one of {', '.join(profiles())}")
 
 
-def record_measured(name: str, figures: dict, source: str) -> Path:
-    """Write measured `figures` (profile fields: flops, memory_bandwidth, memory_gib) into profile `name`.
+def record_measured(name: str, figures: dict, source: str, path: Path | None = None) -> Path:
+    """Write measured `figures` (profile fields: flops, memory_bandwidth, memory_gib) into profile `name`
+    of `path` (default: the profiles.json every plan reads).
 
     The file is replaced whole (written beside it, then renamed), so a reader never
     sees half of it; `source` says how the figures were measured.
     """
-    path = Path(str(resources.files("sim").joinpath("profiles.json")))
+    path = path or Path(str(resources.files("sim").joinpath("profiles.json")))
     raw = json.loads(path.read_text())
     if name not in raw:
         raise ValueError(f"unknown hardware {name!r}; choose one of {', '.join(raw)}")

@@ -9,14 +9,17 @@ import json
 import math
 import multiprocessing
 import os
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ProcessPoolExecutor
+from importlib import resources
 from pathlib import Path
 
 import pytest
 import torch
 
+from sim.hardware import profile_for_device, record_measured
 from zerofunc.check.__main__ import main as check_main
 from zerofunc.check.cells import Cell
 
@@ -56,6 +59,30 @@ def test_gpt2_tiny_at_1_8_64_ranks_is_planned_to_the_byte_and_within_2_percent(t
     # The simulated worlds really are N ranks: stage 3 keeps 1/N of the states, so its peak falls with N.
     stage3 = {c["world_size"]: c["measured_peak"] for c in cells if c["stage"] == 3}
     assert stage3[64] < stage3[8] < stage3[1]
+
+
+def test_fp16_is_planned_with_its_loss_scaler():
+    """fp16 unscales and all-reduces [sum of squares, found_inf] at the boundary; the plan must too."""
+    code, out, err = run_check("--world-sizes", "8", "--stage", "1", "--stage", "3", "--precision", "fp16", "--json")
+    assert code == 0, err
+    cells = json.loads(out)["cells"]
+    assert_plan_holds(cells, 0.02)
+
+
+def test_profiles_are_found_by_device_name_and_calibration_is_recorded(tmp_path):
+    assert profile_for_device("NVIDIA H200").name == "h200-sxm"
+    assert profile_for_device("NVIDIA H100 80GB HBM3").name == "h100-sxm"
+    with pytest.raises(ValueError, match="no hardware profile matches 'Tesla T4'"):
+        profile_for_device("Tesla T4")
+    path = tmp_path / "profiles.json"
+    shutil.copy(resources.files("sim").joinpath("profiles.json"), path)
+    before = json.loads(path.read_text())
+    record_measured("h200-sxm", {"flops": {"bf16": 7.9e14}, "memory_bandwidth": 4.3e12}, "measured here", path)
+    after = json.loads(path.read_text())
+    entry = after.pop("h200-sxm")
+    assert entry["flops"] == {**before["h200-sxm"]["flops"], "bf16": 7.9e14} and entry["memory_bandwidth"] == 4.3e12
+    assert entry["sources"]["measured: flops, memory_bandwidth"] == "measured here"
+    assert after == {k: v for k, v in before.items() if k != "h200-sxm"}  # the other profiles untouched
 
 
 def _wide_gpt_cells():
