@@ -11,7 +11,7 @@ behaves so for all-gathers (each rank's slot receives rank 0's shard) and all-re
 (rank 0's buffer is left as is: the mean of N equal buffers). Its reduce-scatter leaves
 the output untouched in torch 2.11 (2.13 copies rank 0's slice), which would leave a
 gradient shard of uninitialized memory; `TwinCommunicator` writes that slice itself,
-when the group does not, so losses stay finite and the model really trains. That write
+when the group does not, so losses stay finite and every step updates the weights. That write
 is a copy between existing buffers: no allocation, no ledger entry.
 """
 from __future__ import annotations
