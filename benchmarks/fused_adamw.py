@@ -16,28 +16,11 @@ Needs a CUDA GPU; elsewhere it says so and exits with 2.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-from typing import Callable
 
 import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def time_ms(fn: Callable[[], None], warmup: int, iters: int) -> float:
-    """Median milliseconds of one call, by CUDA events around each call."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("error: needs a CUDA GPU", file=sys.stderr)
         return 2
+    from zerofunc.check.calibrate import cuda_median_s
     from zerofunc.fused import adamw_reference_, adamw_triton_
     from zerofunc.optim import AdamWConfig
 
@@ -98,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'variant':<56} {'B/elem':>6} {'ms/step':>8} {'GB/s':>7}")
     for name, per_elem, make in variants:
         run = make()  # one variant's buffers at a time
-        ms = time_ms(run, a.warmup, a.iters)
+        ms = cuda_median_s(run, a.warmup, a.iters) * 1e3
         print(f"{name:<56} {per_elem:>6} {ms:>8.3f} {per_elem * n / ms / 1e6:>7.0f}")
         del run
         torch.cuda.empty_cache()

@@ -17,7 +17,8 @@ COPY_BYTES = 2 * 2**30     # a device copy large enough to stream from HBM, not 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def _median_s(fn: Callable[[], None], warmup: int = 3, iters: int = 20) -> float:
+def cuda_median_s(fn: Callable[[], None], warmup: int = 3, iters: int = 20) -> float:
+    """Median seconds of one call of `fn`, by CUDA events around each call."""
     for _ in range(warmup):
         fn()
     times = []
@@ -33,13 +34,13 @@ def _median_s(fn: Callable[[], None], warmup: int = 3, iters: int = 20) -> float
 
 def _matmul_rate(dtype: torch.dtype, device: torch.device) -> float:
     a, b = (torch.randn(MATMUL_N, MATMUL_N, device=device, dtype=dtype) for _ in range(2))
-    return 2 * MATMUL_N**3 / _median_s(lambda: torch.mm(a, b))
+    return 2 * MATMUL_N**3 / cuda_median_s(lambda: torch.mm(a, b))
 
 
 def _copy_bandwidth(device: torch.device) -> float:
     src = torch.empty(COPY_BYTES // 4, device=device)
     dst = torch.empty_like(src)
-    return 2 * COPY_BYTES / _median_s(lambda: dst.copy_(src))  # read once, written once
+    return 2 * COPY_BYTES / cuda_median_s(lambda: dst.copy_(src))  # read once, written once
 
 
 def measure(device: torch.device) -> dict:
