@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from tests.bare import GUARD, OPTIM, close, guarded, in_world
+from tests.test_check import run_check
 from tests.test_compile import compare_stages
 from zerofunc import fused
 from zerofunc.api import initialize
@@ -28,7 +25,6 @@ from zerofunc.stages import STAGES
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-ROOT = Path(__file__).resolve().parent.parent
 CFG = GPTConfig(n_layer=2, n_head=4, n_embd=128, vocab_size=256, block_size=64)
 STEPS, MICRO_BATCH, SEQ, SEED = 5, 4, 64, 0
 # bf16 keeps 8 bits of mantissa (a relative rounding of 2^-9 = 2e-3 per operation); the
@@ -102,12 +98,10 @@ def test_every_stage_on_one_nccl_rank_trains_like_a_plain_loop():
 
 @pytest.mark.parametrize("compile", [False, True])
 def test_stage_3_in_a_simulated_world_of_8_trains(compile):
-    cmd = [sys.executable, "-m", "zerofunc.check", "--device", "cuda", "--model", "gpt2-tiny", "--world-sizes", "8",
-           "--stage", "3", "--steps", "3", "--json", "--compile" if compile else "--no-compile"]
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900,
-                          env=os.environ | {"PYTHONPATH": str(ROOT)})
-    assert done.returncode in (0, 1), done.stderr  # 1: a peak outside the tolerance, which is not asked here
-    (cell,) = json.loads(done.stdout)["cells"]
+    code, out, err = run_check("--device", "cuda", "--model", "gpt2-tiny", "--world-sizes", "8", "--stage", "3",
+                               "--steps", "3", "--json", "--compile" if compile else "--no-compile")
+    assert code in (0, 1), err  # 1: a peak outside the tolerance, which is not asked here
+    (cell,) = json.loads(out)["cells"]
     assert cell["ledger_equal"], "the executed collectives are not the planned ones"
     assert all(math.isfinite(x) for x in cell["losses"]), cell["losses"]
     # Twins train a tiled model on one rank's slice of its gradient: the loss moves, not necessarily down.
