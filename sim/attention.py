@@ -18,6 +18,11 @@ _aten = torch.ops.aten
 def _fused(kernel: str, q, k, v, dropout_p: float, is_causal: bool, scale):
     if kernel == "flash" and q.dtype not in (torch.float16, torch.bfloat16):
         kernel = "efficient"  # flash attention takes 16-bit inputs only; PyTorch runs fp32 on the efficient kernel
+    if kernel == "efficient" and k.shape[-3] != q.shape[-3]:
+        # grouped-query attention: the flash kernels read shared key/value heads as they are; the
+        # efficient kernel cannot, so each key/value head is repeated for its group of queries
+        group = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
     if kernel == "flash":
         return _aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, scale=scale)[0]
     if kernel == "efficient":

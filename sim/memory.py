@@ -21,7 +21,8 @@ from typing import Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from sim.tensors import tensors
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers", "other")
 
@@ -128,8 +129,8 @@ class MemoryTracker(TorchDispatchMode):
     # ---- the dispatch hook -------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and not self._in_backend and id(t.untyped_storage()) not in self._storages:
+        for t in tensors(out):
+            if not self._in_backend and id(t.untyped_storage()) not in self._storages:
                 self._add(t.untyped_storage(), self._category[-1])
         return out
 
@@ -155,17 +156,20 @@ class MemoryTracker(TorchDispatchMode):
         self._changed()
 
     def _changed(self) -> None:
-        for c, v in self.live.items():
+        # called for every allocation and free of a simulated step (tens of thousands): kept lean
+        live = self.live
+        for c, v in live.items():
             if v > self.max[c]:
                 self.max[c] = v
-        total = sum(self.live.values())
+        total = sum(live.values())
         if total > self.peak:
-            self.peak, self.at_peak = total, dict(self.live)
-        self._sample()
+            self.peak, self.at_peak = total, dict(live)
+        if self.keep_timeline:
+            self.timeline.append((self._label, tuple(live.values())))  # live's keys are CATEGORIES, in order
 
     def _sample(self) -> None:
         if self.keep_timeline:
-            self.timeline.append((self._label, tuple(self.live[c] for c in CATEGORIES)))
+            self.timeline.append((self._label, tuple(self.live.values())))
 
 
 class NoMemoryTracking:

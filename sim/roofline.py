@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
+
+from sim.tensors import tensors as tensors_in
 
 _aten = torch.ops.aten
 # The CPU flash kernel has no formula of its own; its leading arguments match CUDA flash's.
@@ -44,9 +45,9 @@ class Roofline(TorchDispatchMode):
         if func.is_view:
             return out
         flops = op_flops(func, args, kwargs, out)
-        tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
-        moved = sum(t.numel() * t.element_size() for t in tensors)
-        dtype = next((t.dtype for t in tree_leaves(out) if isinstance(t, torch.Tensor)), torch.float32)
+        results = list(tensors_in(out))
+        moved = sum(t.numel() * t.element_size() for t in (*tensors_in((args, kwargs)), *results))
+        dtype = results[0].dtype if results else torch.float32
         rate = self.flops_per_s.get(DTYPE_NAMES.get(dtype, "fp32"), self.flops_per_s["fp32"])
         self.flops += flops
         self.bytes += moved

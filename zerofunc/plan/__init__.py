@@ -12,8 +12,9 @@ size, so rank 0 is also the worst rank.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -23,11 +24,12 @@ from sim.cost import ledger_time
 from sim.hardware import Profile, get_profile
 from sim.ledger import LedgerEntry
 from sim.memory import MemoryReport, MemoryTracker
+from sim.meta_cache import MetaKernelCache
 from sim.roofline import Roofline
 from zerofunc.api import initialize
 from zerofunc.comm import RecordingCommunicator
 from zerofunc.config import Config
-from zerofunc.models import GPT, MODELS, GPTConfig, model_config
+from zerofunc.models import ModelConfig, build_model, model_config
 from zerofunc.overlap import Overlap
 from zerofunc.stages import get_stage
 from zerofunc.step import train_step
@@ -38,11 +40,17 @@ MAX_MICRO_BATCH = 1 << 16
 
 @dataclass(frozen=True)
 class Plan:
-    """What to simulate. Give `model` (a name in MODELS, or a GPTConfig), or `params` for model states only."""
+    """What to simulate.
+
+    `model` is a preset name (zerofunc.models.MODELS), a Hugging Face config.json path,
+    a model config, or any callable that returns an `nn.Module` built on the meta device
+    (its units are then `default_units`, as in the trainer, and `seq` must be given).
+    Give `params` instead for model states only.
+    """
 
     world_size: int
     stage: int
-    model: Optional[str | GPTConfig] = "gpt2-small"
+    model: Optional[str | ModelConfig | Callable[[], nn.Module]] = "gpt2-small"
     params: Optional[int] = None
     precision: str = "bf16"
     micro_batch: int = 1
@@ -63,17 +71,40 @@ class Plan:
             if self.params < 1:
                 raise ValueError(f"--params must be at least 1, got {self.params}")
             return
-        if not isinstance(self.model, GPTConfig) and self.model not in MODELS:
-            raise ValueError(f"unknown model {self.model!r}; choose one of {', '.join(MODELS)}")
         if self.micro_batch < 1:
             raise ValueError(f"micro-batch must be at least 1, got {self.micro_batch}")
-        context = self.config.block_size
+        if self.foreign:
+            if self.seq is None or self.seq < 1:
+                raise ValueError("a model given as a callable has no known context: give seq, at least 1")
+            return
+        context = self.config.block_size  # resolves the name or the file: fails here, in one line
         if self.seq is not None and not 1 <= self.seq <= context:
             raise ValueError(f"a sequence of {self.seq} tokens does not fit the model's context of {context}")
 
     @property
-    def config(self) -> GPTConfig:
-        return self.model if isinstance(self.model, GPTConfig) else model_config(self.model)
+    def foreign(self) -> bool:
+        """The model is any nn.Module (a callable that builds it), not one of zerofunc's families."""
+        return callable(self.model)
+
+    @property
+    def config(self) -> ModelConfig:
+        return model_config(self.model)
+
+    @property
+    def model_name(self) -> str:
+        if self.foreign:
+            return getattr(self.model, "__name__", type(self.model).__name__)
+        return self.model if isinstance(self.model, str) else type(self.config).__name__
+
+    def build(self) -> nn.Module:
+        """The model on the meta device: nothing is allocated."""
+        with torch.device("meta"):
+            if self.params is not None:
+                return ParamsOnly(self.params)
+            model = self.model() if self.foreign else build_model(self.config)
+        if any(p.device.type != "meta" for p in model.parameters()):
+            raise ValueError("the model callable must build its parameters on the meta device")
+        return model
 
     @property
     def tokens(self) -> int:
@@ -155,15 +186,15 @@ def simulate(plan: Plan, timeline: bool = False, timing: bool = True) -> Simulat
     profile = plan.profile
     comm = RecordingCommunicator(0, plan.world_size, staging=profile.collective_staging)
     tracker = MemoryTracker(keep_timeline=timeline)
-    with torch.device("meta"):
-        model = GPT(plan.config) if plan.params is None else ParamsOnly(plan.params)
+    model = plan.build()
     # Built as the trainer builds it (fp16's loss scaler included), only on meta and without weights.
     engine = initialize(model, plan.zero_config(), device="meta", comm=comm, memory=tracker,
                         init=lambda name, shape: None, compile=False)
-    batch = () if plan.params is not None else _meta_batch(plan)
+    batch = () if plan.params is not None else _meta_batch(plan, model)
     roofline = Roofline({k: v * profile.compute_efficiency for k, v in profile.flops.items()},
                         profile.memory_bandwidth)
-    with tracker, roofline if timing else contextlib.nullcontext(), TargetAttention(profile.attention):
+    # the kernel cache sits below the instruments: they see every op, each layer's meta kernels run once
+    with MetaKernelCache(), tracker, roofline if timing else contextlib.nullcontext(), TargetAttention(profile.attention):
         train_step(engine, [batch])
     ledger = list(comm.ledger)
     link = profile.link(plan.world_size)
@@ -171,9 +202,14 @@ def simulate(plan: Plan, timeline: bool = False, timing: bool = True) -> Simulat
                       ledger_time(ledger, link), ledger_time([e for e in ledger if e.overlapped], link))
 
 
-def _meta_batch(plan: Plan) -> tuple[torch.Tensor, ...]:
+def _meta_batch(plan: Plan, model: nn.Module) -> tuple[torch.Tensor, ...] | dict[str, torch.Tensor]:
+    """Token ids and targets of one micro-batch, as the model takes them: (inputs, targets) for
+    zerofunc's models and any module that takes them so, input_ids= and labels= for Hugging Face's."""
     shape = (plan.micro_batch, plan.tokens)
-    return (torch.zeros(shape, dtype=torch.long, device="meta"), torch.zeros(shape, dtype=torch.long, device="meta"))
+    ids, targets = (torch.zeros(shape, dtype=torch.long, device="meta") for _ in range(2))
+    if plan.foreign and "input_ids" in inspect.signature(model.forward).parameters:
+        return {"input_ids": ids, "labels": targets}
+    return ids, targets
 
 
 @dataclass(frozen=True)

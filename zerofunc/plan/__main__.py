@@ -13,16 +13,21 @@ from sim.hardware import profiles
 from zerofunc.models import MODELS
 from zerofunc.overlap import Overlap
 from zerofunc.plan import Plan
-from zerofunc.plan.report import GiB, as_json, as_table, plot, report_stages
+from zerofunc.plan.report import GiB, as_json, as_table, plot, report_stages, world_size_candidates
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m zerofunc.plan",
                                 description="Simulate each ZeRO stage's per-rank memory and communication.")
-    p.add_argument("--model", default="gpt2-small", help=f"one of {', '.join(MODELS)}")
+    p.add_argument("--model", default="gpt2-small",
+                   help=f"a Hugging Face config.json (llama, mistral, qwen2, gpt2), or one of {', '.join(MODELS)}")
     p.add_argument("--params", type=int, default=None,
                    help="plan a model of N parameters with no architecture (model states only)")
-    p.add_argument("--world-size", type=int, required=True, help="data-parallel ranks")
+    p.add_argument("--world-size", required=True,
+                   help="data-parallel ranks: a number, a list (8,16,64), or auto (per stage, the fewest that fit)")
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="auto: past one node, try whole nodes only (default: powers of two)")
+    p.add_argument("--max-world-size", type=int, default=4096, help="auto: the most ranks to try (default 4096)")
     p.add_argument("--stage", type=int, action="append", default=None,
                    help="a ZeRO stage to plan (repeatable; default: all four)")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per rank")
@@ -48,24 +53,52 @@ def main(argv: list[str] | None = None) -> int:
         if a.plot is not None and not a.plot.lower().endswith(".png"):
             raise ValueError(f"--plot writes a PNG; give a file name ending in .png, not {a.plot!r}")
         stages = sorted(set(a.stage)) if a.stage else [0, 1, 2, 3]
-        base = Plan(world_size=a.world_size, stage=stages[0], model=None if a.params is not None else a.model,
+        sizes, candidates = world_sizes(a.world_size, a.gpus_per_node, a.max_world_size)
+        base = Plan(world_size=sizes[0], stage=stages[0], model=None if a.params is not None else a.model,
                     params=a.params, precision=a.precision, micro_batch=a.micro_batch, seq=a.seq,
                     hardware=a.hardware, prefetch_depth=a.prefetch_depth,
                     bucket_bytes=int(a.bucket_mb * 2**20) if a.bucket_mb >= 0 else -1)
-        plans = [replace(base, stage=s) for s in stages]  # each validates its stage
+        plans = [replace(base, stage=s, world_size=n) for n in sizes for s in stages]  # each validates its stage
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     capacity = int(a.gpu_memory * GiB) if a.gpu_memory is not None else base.profile.usable_bytes
-    reports = report_stages(plans, capacity, timeline=a.plot is not None)
+    reports = report_stages(plans, capacity, timeline=a.plot is not None, candidates=candidates)
     if a.plot is not None:
         try:
             plot(reports, a.plot)
         except OSError as e:
             print(f"error: cannot write {a.plot}: {e.strerror}", file=sys.stderr)
             return 2
-    print(json.dumps(as_json(base, reports, capacity), indent=2) if a.json else as_table(base, reports, capacity))
+    if candidates is not None:
+        ranks = f"ranks: auto, the fewest of {_span(candidates)} that fit"
+    else:
+        ranks = f"{sizes[0]} ranks" if len(sizes) == 1 else f"ranks: {', '.join(map(str, sizes))}"
+    print(json.dumps(as_json(base, reports, capacity), indent=2) if a.json else as_table(base, reports, capacity, ranks))
     return 0
+
+
+def world_sizes(spec: str, gpus_per_node: int | None, max_world_size: int) -> tuple[list[int], list[int] | None]:
+    """The world sizes to plan, and for `auto` the candidates to search (else None)."""
+    if gpus_per_node is not None and gpus_per_node < 1:
+        raise ValueError(f"--gpus-per-node must be at least 1, got {gpus_per_node}")
+    if max_world_size < 1:
+        raise ValueError(f"--max-world-size must be at least 1, got {max_world_size}")
+    if spec.strip().lower() == "auto":
+        candidates = world_size_candidates(max_world_size, gpus_per_node)
+        return candidates[:1], candidates
+    try:
+        sizes = sorted({int(part) for part in spec.split(",")})
+    except ValueError:
+        raise ValueError(f"--world-size takes a number, a comma-separated list or auto, not {spec!r}") from None
+    if sizes[0] < 1:
+        raise ValueError(f"world size must be at least 1, got {sizes[0]}")
+    return sizes, None
+
+
+def _span(candidates: list[int]) -> str:
+    return ", ".join(map(str, candidates)) if len(candidates) <= 4 else \
+        f"{', '.join(map(str, candidates[:3]))}, ..., {candidates[-1]}"
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from sim.memory import CATEGORIES
@@ -18,16 +18,24 @@ class StageReport:
     sim: Simulation
     capacity: int
     max_micro_batch: Optional[int]  # None when the plan has no architecture (--params)
+    beyond: bool = False            # world size auto: no candidate fits; this is the largest tried
 
     @property
     def fits(self) -> bool:
         return self.sim.fits(self.capacity)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """The whole cluster's training throughput at the estimated step time (0 for model states only)."""
+        p = self.sim.plan
+        return 0.0 if p.params is not None else p.world_size * p.micro_batch * p.tokens / self.sim.step_s
 
     def as_json(self) -> dict:
         m = self.sim.memory
         cats = m.max_by_category
         return {
             "stage": self.sim.plan.stage,
+            "world_size": self.sim.plan.world_size,
             "memory_bytes": {**{c: cats[c] for c in ("params", "grads", "optimizer")},
                              "model_states": m.model_states,
                              **{c: cats[c] for c in ("activations", "buffers", "other")},
@@ -36,7 +44,9 @@ class StageReport:
                      "time_s": self.sim.comm_s, "overlapped_time_s": self.sim.overlapped_comm_s},
             "compute": {"flops": self.sim.flops, "time_s": self.sim.compute_s},
             "step_time_s": self.sim.step_s,
+            "tokens_per_s": self.tokens_per_s,
             "fits": self.fits,
+            "none_fit_up_to_this_world_size": self.beyond,
             "max_micro_batch": self.max_micro_batch,
         }
 
@@ -51,17 +61,53 @@ def report_stage(plan: Plan, capacity: int, timeline: bool = False) -> StageRepo
 
 
 def recommend(reports: list[StageReport]) -> Optional[StageReport]:
-    """The fastest estimated step that fits; ties go to the lower peak memory."""
+    """Of the plans that fit, the one on the fewest ranks, and there the fastest estimated step;
+    ties go to the lower peak memory."""
     fitting = [r for r in reports if r.fits]
-    return min(fitting, key=lambda r: (round(r.sim.step_s, 9), r.sim.memory.peak), default=None)
+    return min(fitting, key=lambda r: (r.sim.plan.world_size, round(r.sim.step_s, 9), r.sim.memory.peak), default=None)
+
+
+def world_size_candidates(max_world_size: int, gpus_per_node: Optional[int] = None) -> list[int]:
+    """The world sizes `auto` tries: powers of two, and past one node whole nodes only."""
+    powers = [1 << i for i in range(max_world_size.bit_length()) if 1 << i <= max_world_size]
+    if gpus_per_node is None:
+        return powers
+    within = [n for n in powers if n < gpus_per_node]
+    return within + list(range(gpus_per_node, max_world_size + 1, gpus_per_node))
+
+
+def smallest_fitting(plan: Plan, capacity: int, candidates: list[int]) -> StageReport:
+    """The report of `plan` at the smallest candidate world size whose step fits `capacity`.
+
+    Binary search over the candidates: more ranks never need more memory per rank
+    (they shard more; activations do not change). If none fits, the report at the
+    largest candidate, which says by how much.
+    """
+    def peak(n: int) -> int:
+        return simulate(replace(plan, world_size=n), timing=False).memory.peak
+
+    lo, hi = 0, len(candidates) - 1
+    if peak(candidates[hi]) > capacity:
+        report = report_stage(replace(plan, world_size=candidates[hi]), capacity)
+        report.beyond = True
+        return report
+    while lo < hi:  # invariant: candidates[hi] fits
+        mid = (lo + hi) // 2
+        if peak(candidates[mid]) <= capacity:
+            hi = mid
+        else:
+            lo = mid + 1
+    return report_stage(replace(plan, world_size=candidates[hi]), capacity)
 
 
 def as_json(plan: Plan, reports: list[StageReport], capacity: int) -> dict:
     best = recommend(reports)
+    sizes = sorted({r.sim.plan.world_size for r in reports})
     return {
-        "model": plan.model if plan.params is None else None,
+        "model": plan.model_name if plan.params is None else None,
         "params": reports[0].sim.numel,
-        "world_size": plan.world_size,
+        "world_size": sizes[0] if len(sizes) == 1 else None,
+        "world_sizes": sizes,
         "precision": plan.precision,
         "micro_batch": plan.micro_batch if plan.params is None else None,
         "seq": plan.tokens if plan.params is None else None,
@@ -69,6 +115,7 @@ def as_json(plan: Plan, reports: list[StageReport], capacity: int) -> dict:
         "capacity_bytes": capacity,
         "stages": [r.as_json() for r in reports],
         "recommended_stage": best.sim.plan.stage if best else None,
+        "recommended_world_size": best.sim.plan.world_size if best else None,
     }
 
 
@@ -80,31 +127,48 @@ def _time(s: float) -> str:
     return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
 
 
-def as_table(plan: Plan, reports: list[StageReport], capacity: int) -> str:
+def _rate(tokens_per_s: float) -> str:
+    return "-" if not tokens_per_s else f"{tokens_per_s:,.0f}"
+
+
+def as_table(plan: Plan, reports: list[StageReport], capacity: int, ranks: Optional[str] = None) -> str:
+    """`ranks` says which world sizes were planned (default: the plan's)."""
     numel = reports[0].sim.numel
     if plan.params is None:
-        what = f"{plan.model} ({numel:,} parameters), micro-batch {plan.micro_batch} x {plan.tokens} tokens"
+        what = f"{plan.model_name} ({numel:,} parameters), micro-batch {plan.micro_batch} x {plan.tokens} tokens"
     else:
         what = f"{numel:,} parameters, model states only"
-    head = f"{what}, {plan.world_size} ranks, {plan.precision}, {plan.hardware} ({_gib(capacity)} GiB usable per rank)"
-    cols = ["stage", "params", "grads", "optim", "activ", "buffers", "peak GiB", "comm/step GiB", "comm time",
-            "step time", "fits", "max mb"]
+    ranks = ranks or f"{plan.world_size} ranks"
+    head = f"{what}, {ranks}, {plan.precision}, {plan.hardware} ({_gib(capacity)} GiB usable per rank)"
+    cols = ["stage", "ranks", "params", "grads", "optim", "activ", "buffers", "peak GiB", "comm/step GiB",
+            "comm time", "step time", "tokens/s", "fits", "max mb"]
     rows = []
     for r in reports:
         m = r.sim.memory.max_by_category
-        rows.append([str(r.sim.plan.stage), _gib(m["params"]), _gib(m["grads"]), _gib(m["optimizer"]),
-                     _gib(m["activations"]), _gib(m["buffers"]), _gib(r.sim.memory.peak),
-                     _gib(r.sim.volume_bytes), _time(r.sim.comm_s), _time(r.sim.step_s),
+        ranks = f">{r.sim.plan.world_size}" if r.beyond else str(r.sim.plan.world_size)
+        rows.append([str(r.sim.plan.stage), ranks, _gib(m["params"]), _gib(m["grads"]),
+                     _gib(m["optimizer"]), _gib(m["activations"]), _gib(m["buffers"]), _gib(r.sim.memory.peak),
+                     _gib(r.sim.volume_bytes), _time(r.sim.comm_s), _time(r.sim.step_s), _rate(r.tokens_per_s if r.fits else 0),
                      "yes" if r.fits else "NO", "-" if r.max_micro_batch is None else str(r.max_micro_batch)])
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
     line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))
     best = recommend(reports)
-    verdict = (f"recommended: stage {best.sim.plan.stage} (fastest estimated step that fits)" if best
-               else "nothing fits: add ranks, lower the micro-batch or sequence, or use a larger device")
+    verdict = (f"recommended: stage {best.sim.plan.stage} on {best.sim.plan.world_size} ranks "
+               "(the fewest ranks that fit; there, the fastest estimated step)" if best
+               else _nothing_fits(reports))
     note = ("memory per rank in GiB; comm/step counts an all-reduce of S bytes as 2S and an all-gather or "
             "reduce-scatter as S; step time = compute (roofline) + communication (ring alpha-beta) that the "
-            "asynchronous collectives (prefetched gathers, gradient reductions) do not hide behind compute")
+            "asynchronous collectives (prefetched gathers, gradient reductions) do not hide behind compute; "
+            "tokens/s for the whole cluster")
     return "\n".join([head, "", line(cols), *(line(row) for row in rows), "", verdict, note])
+
+
+def _nothing_fits(reports: list[StageReport]) -> str:
+    least = min(reports, key=lambda r: r.sim.memory.peak)
+    m = least.sim.memory
+    return (f"nothing fits: the least memory is stage {least.sim.plan.stage}'s {_gib(m.peak)} GiB per rank on "
+            f"{least.sim.plan.world_size} ranks, {_gib(m.max_by_category['activations'])} GiB of it activations, "
+            "which more ranks do not shrink; lower the micro-batch or sequence, or use a larger device")
 
 
 def plot(reports: list[StageReport], path: str) -> None:
@@ -132,7 +196,7 @@ def plot(reports: list[StageReport], path: str) -> None:
                 ax.axvline(i, color="grey", linewidth=0.5)
                 ax.text(i, top * 0.97, f" {label}", fontsize=7, color="grey", va="top")
         ax.set_ylabel("GiB per rank")
-        ax.set_title(f"stage {r.sim.plan.stage}: peak {r.sim.memory.peak / GiB:.2f} GiB of {capacity:.1f} GiB usable",
+        ax.set_title(f"stage {r.sim.plan.stage}, {r.sim.plan.world_size} ranks: peak {r.sim.memory.peak / GiB:.2f} GiB of {capacity:.1f} GiB usable",
                      fontsize=9, loc="left")
     axes[0, 0].legend(loc="upper right", fontsize=7, ncol=4)
     axes[-1, 0].set_xlabel("allocation events in one training step")
@@ -141,10 +205,16 @@ def plot(reports: list[StageReport], path: str) -> None:
     plt.close(fig)
 
 
-def report_stages(plans: list[Plan], capacity: int, timeline: bool = False) -> list[StageReport]:
-    """`report_stage` for each plan, spread over the machine's cores (the stages are independent)."""
+def report_stages(plans: list[Plan], capacity: int, timeline: bool = False,
+                  candidates: Optional[list[int]] = None) -> list[StageReport]:
+    """`report_stage` for each plan, spread over the machine's cores (the plans are independent).
+
+    With `candidates`, each plan is reported at the smallest of those world sizes that fits.
+    """
+    work = (report_stage, plans, [capacity] * len(plans), [timeline] * len(plans)) if candidates is None else (
+        smallest_fitting, plans, [capacity] * len(plans), [candidates] * len(plans))
     workers = min(len(plans), os.cpu_count() or 1)
-    if workers <= 1:
-        return [report_stage(p, capacity, timeline) for p in plans]
+    if workers <= 1 or any(p.foreign for p in plans):  # a model callable need not pickle
+        return list(map(*work))
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-        return list(pool.map(report_stage, plans, [capacity] * len(plans), [timeline] * len(plans)))
+        return list(pool.map(*work))

@@ -1,0 +1,124 @@
+"""Hugging Face config.json <-> zerofunc model configs, with no network and no weights.
+
+`read_hf_config(path)` builds the config of the matching zerofunc model for a
+config.json whose `model_type` is llama, mistral, qwen2 or gpt2; anything it cannot
+build faithfully (another architecture, an activation other than SiLU, a RoPE type
+other than the default and Llama 3.1's) is a `ValueError` that names it.
+`hf_config_dict(cfg)` goes the other way, so a test can build Hugging Face's model
+from exactly the shapes a preset names.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from zerofunc.models.gpt2 import GPTConfig
+from zerofunc.models.llama import LlamaConfig, RopeScaling
+
+SUPPORTED = ("llama", "mistral", "qwen2", "gpt2")
+# Hugging Face's defaults for the fields a config.json may leave out
+_CONTEXT = {"llama": 2048, "mistral": 32768, "qwen2": 32768}
+_EPS = 1e-6
+
+
+def read_hf_config(path: str | Path) -> LlamaConfig | GPTConfig:
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text())
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path} holds a JSON {type(doc).__name__}, not a config object")
+    try:
+        return from_hf_dict(doc)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def from_hf_dict(doc: dict) -> LlamaConfig | GPTConfig:
+    kind = doc.get("model_type")
+    if kind not in SUPPORTED:
+        raise ValueError(f"model_type {kind!r} is not supported; zerofunc builds {', '.join(SUPPORTED)}")
+
+    def need(key: str):
+        if doc.get(key) is None:
+            raise ValueError(f"missing field {key!r}, needed for model_type {kind}")
+        return doc[key]
+
+    def positive_int(key: str, value=None):
+        value = need(key) if value is None else value
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"field {key!r} must be a positive integer, got {value!r}")
+        return value
+
+    if kind == "gpt2":
+        if doc.get("n_inner") not in (None, 4 * need("n_embd")):
+            raise ValueError(f"n_inner {doc['n_inner']} is not supported (zerofunc's GPT-2 MLP is 4 x n_embd)")
+        if doc.get("activation_function", "gelu_new") != "gelu_new":
+            raise ValueError(f"activation_function {doc['activation_function']!r} is not supported (gelu_new)")
+        if doc.get("tie_word_embeddings", True) is not True:
+            raise ValueError("an untied GPT-2 head is not supported")
+        return GPTConfig(n_layer=positive_int("n_layer"), n_head=positive_int("n_head"),
+                         n_embd=positive_int("n_embd"), vocab_size=positive_int("vocab_size"),
+                         block_size=positive_int("n_positions", doc.get("n_positions", 1024)))
+
+    if doc.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {doc['hidden_act']!r} is not supported (silu)")
+    # RoPE settings: transformers 4 writes rope_theta and rope_scaling, 5 writes rope_parameters
+    rope = doc.get("rope_parameters") or doc.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    theta = float(rope.get("rope_theta", doc.get("rope_theta", 10000.0)))
+    scaling = None
+    if rope_type == "llama3":
+        try:
+            scaling = RopeScaling(float(rope["factor"]), float(rope["low_freq_factor"]),
+                                  float(rope["high_freq_factor"]), int(rope["original_max_position_embeddings"]))
+        except KeyError as e:
+            raise ValueError(f"rope scaling of type llama3 is missing {e.args[0]!r}") from None
+    elif rope_type != "default":
+        raise ValueError(f"rope type {rope_type!r} is not supported (default, llama3)")
+    window = None
+    if kind == "mistral":
+        window = doc.get("sliding_window", 4096)
+    elif kind == "qwen2" and doc.get("use_sliding_window"):
+        raise ValueError("use_sliding_window is not supported for qwen2 (its window applies to some layers only)")
+    heads = positive_int("num_attention_heads")
+    bias = bool(doc.get("attention_bias", False))
+    try:
+        return LlamaConfig(
+            n_layer=positive_int("num_hidden_layers"), n_head=heads, n_embd=positive_int("hidden_size"),
+            intermediate_size=positive_int("intermediate_size"), vocab_size=positive_int("vocab_size"),
+            n_kv_head=positive_int("num_key_value_heads", doc.get("num_key_value_heads", heads)),
+            head_dim=None if doc.get("head_dim") is None else positive_int("head_dim"), block_size=positive_int("max_position_embeddings",
+                                                                  doc.get("max_position_embeddings", _CONTEXT[kind])),
+            rope_theta=theta, rope_scaling=scaling, rms_norm_eps=float(doc.get("rms_norm_eps", _EPS)),
+            tie_word_embeddings=bool(doc.get("tie_word_embeddings", False)),
+            qkv_bias=kind == "qwen2" or bias, o_bias=bias and kind != "qwen2", mlp_bias=bool(doc.get("mlp_bias", False)),
+            sliding_window=window, model_type=kind)
+    except ValueError as e:
+        raise ValueError(str(e)) from None
+
+
+def hf_config_dict(cfg: LlamaConfig | GPTConfig) -> dict:
+    """The config.json Hugging Face would build this model from (weights aside)."""
+    if isinstance(cfg, GPTConfig):
+        return {"model_type": "gpt2", "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd,
+                "vocab_size": cfg.vocab_size, "n_positions": cfg.block_size, "tie_word_embeddings": True,
+                "bos_token_id": min(50256, cfg.vocab_size - 1), "eos_token_id": min(50256, cfg.vocab_size - 1)}
+    doc = {"model_type": cfg.model_type, "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head,
+           "num_key_value_heads": cfg.kv_heads, "hidden_size": cfg.n_embd, "head_dim": cfg.head_size,
+           "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size,
+           "max_position_embeddings": cfg.block_size, "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.rms_norm_eps,
+           "tie_word_embeddings": cfg.tie_word_embeddings, "hidden_act": "silu"}
+    if cfg.rope_scaling is not None:
+        s = cfg.rope_scaling
+        doc["rope_scaling"] = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+                               "high_freq_factor": s.high_freq_factor,
+                               "original_max_position_embeddings": s.original_context}
+    if cfg.model_type == "llama":
+        doc |= {"attention_bias": cfg.o_bias, "mlp_bias": cfg.mlp_bias}
+    if cfg.model_type == "mistral":
+        doc["sliding_window"] = cfg.sliding_window
+    return doc
