@@ -1,5 +1,6 @@
-"""A Hugging Face GPT2LMHeadModel (tied head, its own ModuleList of blocks) trains through zerofunc.initialize
-exactly like one device. Runs where transformers is installed (the test extras install it)."""
+"""Hugging Face's GPT2LMHeadModel (tied head, its own ModuleList of blocks) and LlamaForCausalLM (grouped-query
+attention, untied head, odd widths) train through zerofunc.initialize exactly like one device. Runs where
+transformers is installed (the test extras install it)."""
 from __future__ import annotations
 
 import copy
@@ -12,14 +13,23 @@ from tests.bare import in_world, rel_err
 transformers = pytest.importorskip("transformers")
 
 
-def hf_four_lines(stage: int):
-    import zerofunc
-    from transformers import GPT2Config, GPT2LMHeadModel
+def hf_model(family: str):
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-    cfg = GPT2Config(n_layer=2, n_head=3, n_embd=27, vocab_size=53, n_positions=32, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    if family == "gpt2":
+        return GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=3, n_embd=27, vocab_size=53, n_positions=32,
+                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                          eos_token_id=0))
+    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=30, intermediate_size=41,
+                                        num_attention_heads=3, num_key_value_heads=1, vocab_size=53,
+                                        max_position_embeddings=32, bos_token_id=0, eos_token_id=0))
+
+
+def hf_four_lines(stage: int, family: str):
+    import zerofunc
+
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(cfg)
+    model = hf_model(family)
     reference = copy.deepcopy(model)
     opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1,
                             foreach=False)
@@ -41,8 +51,9 @@ def hf_four_lines(stage: int):
     return units, max(rel_err(params[n], p.detach()) for n, p in reference.named_parameters())
 
 
+@pytest.mark.parametrize("family, blocks", [("gpt2", "transformer.h"), ("llama", "model.layers")])
 @pytest.mark.parametrize("stage", [0, 3])
-def test_hugging_face_gpt2_trains_like_one_device(stage):
-    for units, err in in_world(2, hf_four_lines, stage):
-        assert units == ["", "transformer.h.0", "transformer.h.1"]
+def test_hugging_face_models_train_like_one_device(stage, family, blocks):
+    for units, err in in_world(2, hf_four_lines, stage, family):
+        assert units == ["", f"{blocks}.0", f"{blocks}.1"]
         assert err <= 1e-5

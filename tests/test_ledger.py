@@ -24,7 +24,7 @@ from tests.bare import in_world
 from tests.worlds import IN_RANK, agreed_max, global_batches, small_cases
 from zerofunc.comm import DistCommunicator, RecordingCommunicator
 from zerofunc.engine import ZeroEngine
-from zerofunc.models import GPT
+from zerofunc.models import GPT, build_model
 from zerofunc.optim import AdamWConfig
 from zerofunc.stages import STAGES
 
@@ -39,7 +39,7 @@ PAPER_FACTOR = {0: 2, 1: 2, 2: 2, 3: 3}
 
 def one_step(case, stage, comm, device):
     with torch.device("meta"):
-        model = GPT(case.cfg)
+        model = build_model(case.cfg)
     init = None if device == "meta" else (lambda n, s: model.init_param(n, s, case.seed))
     engine = ZeroEngine(model, STAGES[stage], comm, AdamWConfig(), device=device, init=init)
     mb = case.micro_batch

@@ -14,7 +14,7 @@ from tests.worlds import IN_RANK, agreed_max, global_batches, small_cases
 from train.cli import main as train_main
 from zerofunc.comm import DistCommunicator
 from zerofunc.engine import ZeroEngine
-from zerofunc.models import GPT
+from zerofunc.models import GPTConfig, build_model
 from zerofunc.optim import AdamWConfig
 from zerofunc.plan import Plan, simulate
 from zerofunc.plan.__main__ import main as plan_main
@@ -29,7 +29,7 @@ def executed_step(case, stage):
     comm = DistCommunicator()
     tracker = MemoryTracker()
     with torch.device("meta"):
-        model = GPT(case.cfg)
+        model = build_model(case.cfg)
     engine = ZeroEngine(model, STAGES[stage], comm, AdamWConfig(), memory=tracker,
                         init=lambda n, s: model.init_param(n, s, case.seed))
     mb = case.micro_batch
@@ -45,7 +45,8 @@ def check_simulation_matches_execution(max_examples):
     @settings(IN_RANK, max_examples=max_examples)
     @given(case=small_cases())
     def prop(case):
-        case = replace(case, cfg=replace(case.cfg, dropout=0.0))
+        if isinstance(case.cfg, GPTConfig):  # dropout masks are random: the planner sees none
+            case = replace(case, cfg=replace(case.cfg, dropout=0.0))
         for stage in STAGES:
             executed, measured = executed_step(case, stage)
             sim = simulate(Plan(world_size=world, stage=stage, model=case.cfg, precision="fp32",

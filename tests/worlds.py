@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, Phase, settings, strategies as st
 
-from zerofunc.models import GPT, GPTConfig
+from zerofunc.models import GPTConfig, LlamaConfig, ModelConfig, build_model
 
 # No shrinking: every shrink step re-runs a case on all ranks, which made one failing
 # run take minutes; the drawn cases are small enough to read unshrunk.
@@ -32,31 +32,42 @@ def agreed_max(x: float) -> float:
 
 @dataclass(frozen=True)
 class Case:
-    cfg: GPTConfig
+    cfg: ModelConfig
     seed: int
     micro_batch: int
     seq: int
 
 
 @st.composite
-def small_cases(draw) -> Case:
-    """Small GPTs of odd widths that rarely divide the world size, 1-3 blocks.
+def small_cases(draw, families=("gpt2", "llama")) -> Case:
+    """Small GPTs and Llamas of odd widths that rarely divide the world size, 1-3 blocks.
 
-    Widths start at 3: a LayerNorm over 1 or 2 features has a constant or +-1 output,
-    so no gradient flows through it and "gradients are nonzero" could not hold.
+    GPT widths start at 3: a LayerNorm over 1 or 2 features has a constant or +-1
+    output, so no gradient flows through it and "gradients are nonzero" could not hold.
+    Llamas draw grouped-query attention (1-3 query heads per key/value head, head
+    counts of 1-6 that rarely divide the world size), an odd MLP width, a tied or
+    untied head, and Qwen2's q/k/v biases; RoPE needs an even head size.
     """
-    n_head = draw(st.integers(1, 3))
-    head_dim = draw(st.sampled_from([3, 5, 7]))
     seq = draw(st.integers(2, 9))
-    cfg = GPTConfig(n_layer=draw(st.integers(1, 3)), n_head=n_head, n_embd=n_head * head_dim,
-                    vocab_size=draw(st.integers(5, 41)), block_size=seq + draw(st.integers(0, 3)),
-                    dropout=draw(st.sampled_from([0.0, 0.25])))
+    context = seq + draw(st.integers(0, 3))
+    vocab = draw(st.integers(5, 41))
+    if draw(st.sampled_from(families)) == "gpt2":
+        n_head = draw(st.integers(1, 3))
+        cfg = GPTConfig(n_layer=draw(st.integers(1, 3)), n_head=n_head, n_embd=n_head * draw(st.sampled_from([3, 5, 7])),
+                        vocab_size=vocab, block_size=context, dropout=draw(st.sampled_from([0.0, 0.25])))
+    else:
+        n_kv_head = draw(st.integers(1, 2))
+        n_head = n_kv_head * draw(st.integers(1, 3))
+        cfg = LlamaConfig(n_layer=draw(st.integers(1, 3)), n_head=n_head, n_kv_head=n_kv_head,
+                          n_embd=n_head * draw(st.sampled_from([2, 4, 6])),
+                          intermediate_size=draw(st.sampled_from([5, 11, 17])), vocab_size=vocab, block_size=context,
+                          tie_word_embeddings=draw(st.booleans()), qkv_bias=draw(st.booleans()))
     return Case(cfg, seed=draw(st.integers(0, 2**16)), micro_batch=draw(st.integers(1, 3)), seq=seq)
 
 
-def reference_model(case: Case) -> GPT:
+def reference_model(case: Case):
     """The plain single-device model with the same initial weights the engine starts from."""
-    model = GPT(case.cfg)
+    model = build_model(case.cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(model.init_param(name, tuple(p.shape), case.seed))

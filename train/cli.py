@@ -18,7 +18,7 @@ from zerofunc.config import ConfigError, as_dict, parse as parse_config, read as
 from zerofunc.launch import RankError, default_backend, init_torchrun, spawn, under_torchrun
 from zerofunc import checkpoint
 from zerofunc.checkpoint import CheckpointError
-from zerofunc.models import GPT, MODELS, model_config
+from zerofunc.models import MODELS, build_model, model_config
 from zerofunc.overlap import Overlap
 from zerofunc.units import partition
 
@@ -30,8 +30,9 @@ class UsageError(ValueError):
 
 
 def parse(argv: list[str] | None) -> TrainArgs:
-    p = argparse.ArgumentParser(prog="python -m train", description="Train a GPT-2 with ZeRO stages 0-3.")
-    p.add_argument("--model", default=DEFAULTS["model"], help=f"one of {', '.join(MODELS)}")
+    p = argparse.ArgumentParser(prog="python -m train", description="Train a GPT-2 or a Llama with ZeRO stages 0-3.")
+    p.add_argument("--model", default=DEFAULTS["model"],
+                   help=f"a Hugging Face config.json (llama, mistral, qwen2, gpt2), or one of {', '.join(MODELS)}")
     p.add_argument("--config", default=None, help="a DeepSpeed-style JSON config; the flags below override it")
     p.add_argument("--stage", type=int, default=None, help=f"ZeRO stage: 0, 1, 2 or 3 (default {DEFAULTS['stage']})")
     p.add_argument("--nproc", type=int, default=DEFAULTS["nproc"], help="ranks to start (ignored under torchrun)")
@@ -60,8 +61,13 @@ def parse(argv: list[str] | None) -> TrainArgs:
                         "0: none)")
     a = p.parse_args(argv)
 
-    if a.model not in MODELS:
-        raise UsageError(f"unknown model {a.model!r}; choose one of {', '.join(MODELS)}")
+    try:
+        model_cfg = model_config(a.model, dropout=a.dropout)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if model_cfg.vocab_size < 256:
+        raise UsageError(f"the training data are bytes: the model's vocabulary needs 256 entries, it has "
+                         f"{model_cfg.vocab_size}")
     if a.stage is not None and a.stage not in (0, 1, 2, 3):
         raise UsageError(f"--stage must be 0, 1, 2 or 3, got {a.stage}")
     if a.plot is not None and not a.plot.lower().endswith(".png"):
@@ -82,7 +88,7 @@ def parse(argv: list[str] | None) -> TrainArgs:
         raise UsageError(f"--bucket-mb must be >= 0, got {a.bucket_mb}")
     if not 0 <= a.dropout < 1:
         raise UsageError(f"--dropout must lie in [0, 1), got {a.dropout}")
-    context = model_config(a.model).block_size
+    context = model_cfg.block_size
     if a.seq > context:
         raise UsageError(f"--seq {a.seq} is longer than {a.model}'s context of {context} tokens")
     device = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -100,7 +106,7 @@ def parse(argv: list[str] | None) -> TrainArgs:
     config = replace(config, overlap=overlap)
     if a.resume:
         with torch.device("meta"):
-            model = GPT(model_config(a.model))
+            model = build_model(model_cfg)
         units = [[[n, list(p.shape)] for n, p in named] for _, _, named in partition(model, model.shard_units())]
         checkpoint.verify(a.out, units)
     return TrainArgs(a.model, config, a.nproc, a.steps, a.seq, a.dropout, a.seed, a.data, a.out, device,

@@ -18,7 +18,7 @@ from train.report import Progress, plot_loss, summary
 from zerofunc import checkpoint
 from zerofunc.comm import DistCommunicator
 from zerofunc.config import Config
-from zerofunc.models import GPT, model_config
+from zerofunc.models import build_model, model_config
 from zerofunc.step import train_step
 
 
@@ -56,7 +56,7 @@ def train_rank(args: TrainArgs) -> dict:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     tokens = load_tokens(args.data, args.seq)
     with torch.device("meta"):
-        model = GPT(model_config(args.model, dropout=args.dropout))
+        model = build_model(model_config(args.model, dropout=args.dropout))
     comm = DistCommunicator()
     # Peak memory: on CUDA the allocator's own count; on CPU the planner's tracker, on real tensors.
     tracker = MemoryTracker() if device.type == "cpu" else None

@@ -27,7 +27,8 @@ MiB = 2**20
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m zerofunc.check",
                                 description="Check the planner against real training steps in simulated worlds.")
-    p.add_argument("--model", default="gpt2-tiny", help=f"one of {', '.join(MODELS)}")
+    p.add_argument("--model", default="gpt2-tiny",
+                   help=f"a Hugging Face config.json (llama, mistral, qwen2, gpt2), or one of {', '.join(MODELS)}")
     p.add_argument("--world-sizes", default="1,8,64", help="comma-separated ranks of the simulated worlds")
     p.add_argument("--stage", type=int, action="append", default=None, help="a ZeRO stage (repeatable; default all)")
     p.add_argument("--micro-batch", type=int, default=4, help="sequences per rank")

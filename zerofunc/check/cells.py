@@ -22,7 +22,7 @@ import torch
 from sim.memory import MemoryTracker
 from zerofunc.api import initialize
 from zerofunc.check.world import simulated_world
-from zerofunc.models import GPT
+from zerofunc.models import build_model
 from zerofunc.plan import Plan, simulate
 from zerofunc.step import train_step
 
@@ -87,7 +87,7 @@ def run_cell(plan: Plan, device: torch.device, compile: bool = False, steps: int
 def _measure(plan: Plan, sim, comm, device: torch.device, compile: bool, steps: int) -> Cell:
     cuda = device.type == "cuda"
     with torch.device("meta"):
-        model = GPT(plan.config)
+        model = build_model(plan.config)
     tracker = MemoryTracker()
     engine = initialize(model, plan.zero_config(), device=device, comm=comm, memory=tracker, compile=compile,
                         init=lambda name, shape: model.init_param(name, shape, 0))
