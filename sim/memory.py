@@ -2,8 +2,8 @@
 
 `MemoryTracker` is a `TorchDispatchMode`. While it is entered, every storage an op
 creates is counted under the current category and uncounted when the storage dies
-(a finalizer on the storage object, which PyTorch keeps alive exactly as long as the
-storage). Storage that exists before, or is allocated outside any op, is registered
+(a weak reference to the storage object, which PyTorch keeps alive exactly as long as
+the storage). Storage that exists before, or is allocated outside any op, is registered
 with `track`. A storage resized in place (`untyped_storage().resize_`, beneath the
 dispatcher) is re-measured with `resized`. On the meta device nothing is allocated,
 but storages still have sizes, so a simulated step is counted exactly like a real one.
@@ -17,7 +17,7 @@ import contextlib
 import itertools
 import weakref
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -89,7 +89,7 @@ class MemoryTracker(TorchDispatchMode):
         key = next(self._held)
         self._storages[key] = [category, nbytes]
         self.live[category] += nbytes
-        self._changed()
+        self._changed(category)
         return key
 
     def drop(self, key: int) -> None:
@@ -137,33 +137,34 @@ class MemoryTracker(TorchDispatchMode):
     # ---- bookkeeping ---------------------------------------------------------------------
     def _add(self, storage, category: str) -> None:
         key = id(storage)
-        entry = [category, storage.nbytes()]
+        # a weak reference whose callback uncounts the storage (cheaper than weakref.finalize,
+        # and a simulated step of a large model makes tens of thousands); the entry keeps it alive
+        entry = [category, storage.nbytes(), weakref.ref(storage, lambda _, key=key: self._free(key))]
         self._storages[key] = entry
-        weakref.finalize(storage, self._free, key)
         self.live[category] += entry[1]
-        self._changed()
+        self._changed(category)
 
     def _free(self, key: int) -> None:
         entry = self._storages.pop(key, None)
         if entry is not None:
             self.live[entry[0]] -= entry[1]
-            self._changed()
+            self._changed(None)
 
     def _change(self, entry: list, category: str, nbytes: int) -> None:
         self.live[entry[0]] -= entry[1]
         entry[0], entry[1] = category, nbytes
         self.live[category] += nbytes
-        self._changed()
+        self._changed(category)
 
-    def _changed(self) -> None:
-        # called for every allocation and free of a simulated step (tens of thousands): kept lean
+    def _changed(self, grown: Optional[str]) -> None:
+        """Bookkeeping after the live bytes of category `grown` rose (None: only fell)."""
         live = self.live
-        for c, v in live.items():
-            if v > self.max[c]:
-                self.max[c] = v
-        total = sum(live.values())
-        if total > self.peak:
-            self.peak, self.at_peak = total, dict(live)
+        if grown is not None:
+            if live[grown] > self.max[grown]:
+                self.max[grown] = live[grown]
+            total = sum(live.values())
+            if total > self.peak:
+                self.peak, self.at_peak = total, dict(live)
         if self.keep_timeline:
             self.timeline.append((self._label, tuple(live.values())))  # live's keys are CATEGORIES, in order
 

@@ -63,12 +63,17 @@ class MetaKernelCache(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self._layouts: dict = {}
+        self._pure: dict = {}  # op -> whether its schema promises fresh results (not a view, not in place)
         self.hits = self.misses = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        schema = func._schema
-        if func.is_view or schema.is_mutable or any(r.alias_info is not None for r in schema.returns):
+        pure = self._pure.get(func)
+        if pure is None:
+            schema = func._schema
+            pure = self._pure[func] = not (func.is_view or schema.is_mutable
+                                           or any(r.alias_info is not None for r in schema.returns))
+        if not pure:
             return func(*args, **kwargs)
         try:
             key = (func, _key(args), tuple((k, _key(v)) for k, v in kwargs.items()))

@@ -64,3 +64,15 @@ def test_planned_step_is_the_trained_step(model_name):
             assert same_ledger, f"stage {stage}: the planned collectives differ from the executed ones"
             assert collectives >= 2
             assert abs(planned - measured) / measured <= 0.05, f"stage {stage}: peak {planned} planned, {measured} measured"
+
+
+@pytest.mark.parametrize("model", ["gpt2-tiny", "llama-tiny"])
+def test_the_kernel_cache_changes_nothing(model):
+    """The planner answers repeated meta kernels from a cache: every event of the step, every collective
+    and every FLOP must be what running each kernel gives (sim/meta_cache.py)."""
+    for stage in range(4):
+        for precision in ("fp32", "bf16"):
+            plan = Plan(world_size=3, stage=stage, model=model, precision=precision, micro_batch=2, seq=11)
+            cached, plain = (simulate(plan, timeline=True, kernel_cache=c) for c in (True, False))
+            assert cached.memory.timeline == plain.memory.timeline
+            assert (cached.ledger, cached.flops, cached.compute_s) == (plain.ledger, plain.flops, plain.compute_s)

@@ -177,11 +177,12 @@ class ParamsOnly(nn.Module):
         return _ReadsWeightInBackward.apply(self.weight)
 
 
-def simulate(plan: Plan, timeline: bool = False, timing: bool = True) -> Simulation:
+def simulate(plan: Plan, timeline: bool = False, timing: bool = True, kernel_cache: bool = True) -> Simulation:
     """Run one training step of `plan` on meta tensors and measure it.
 
     `timing=False` skips the roofline (compute time and FLOPs are then 0) for a
-    simulation that only needs memory.
+    simulation that only needs memory. `kernel_cache=False` runs every meta kernel
+    (sim.meta_cache; the result is the same, only slower).
     """
     profile = plan.profile
     comm = RecordingCommunicator(0, plan.world_size, staging=profile.collective_staging)
@@ -194,7 +195,7 @@ def simulate(plan: Plan, timeline: bool = False, timing: bool = True) -> Simulat
     roofline = Roofline({k: v * profile.compute_efficiency for k, v in profile.flops.items()},
                         profile.memory_bandwidth)
     # the kernel cache sits below the instruments: they see every op, each layer's meta kernels run once
-    with MetaKernelCache(), tracker, roofline if timing else contextlib.nullcontext(), TargetAttention(profile.attention):
+    with MetaKernelCache() if kernel_cache else contextlib.nullcontext(), tracker, roofline if timing else contextlib.nullcontext(), TargetAttention(profile.attention):
         train_step(engine, [batch])
     ledger = list(comm.ledger)
     link = profile.link(plan.world_size)
