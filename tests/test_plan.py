@@ -169,3 +169,49 @@ def test_trainer_reports_what_the_planner_predicts(capsys, tmp_path, stage):
     for row in rows:
         assert row["comm_volume_bytes"] == planned["comm"]["volume_bytes"]
         assert abs(row["peak_bytes"] - planned["memory_bytes"]["peak"]) <= 0.05 * row["peak_bytes"]
+
+
+def test_world_size_auto_finds_the_fewest_ranks_that_fit(capsys):
+    """For each stage the answer fits and the candidate below it does not, checked by simulating both;
+    the recommendation is the fewest ranks over all stages."""
+    capacity = 3 * 2**20  # llama-tiny at 64 tokens: model states of ~7 MiB must be spread over several ranks
+    code, out, _ = run_plan(capsys, "--model", "llama-tiny", "--world-size", "auto", "--gpus-per-node", "4",
+                            "--max-world-size", "64", "--seq", "64", "--gpu-memory", str(capacity / 2**30), "--json")
+    assert code == 0
+    doc = json.loads(out)
+    candidates = [1, 2, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60, 64]
+    found = {}
+    for s in doc["stages"]:
+        n = s["world_size"]
+        peak = lambda k: simulate(Plan(world_size=k, stage=s["stage"], model="llama-tiny", seq=64)).memory.peak
+        if s["none_fit_up_to_this_world_size"]:
+            assert n == 64 and not s["fits"] and peak(64) > capacity
+            continue
+        assert n in candidates and s["fits"] and peak(n) <= capacity
+        if n > 1:
+            assert peak(candidates[candidates.index(n) - 1]) > capacity
+        found[s["stage"]] = n
+    assert found.get(3, 0) > 1, "the capacity should make stage 3 need several ranks"
+    row = {s["stage"]: s for s in doc["stages"]}
+    best = min(found, key=lambda st: (found[st], round(row[st]["step_time_s"], 9), row[st]["memory_bytes"]["peak"]))
+    assert (doc["recommended_stage"], doc["recommended_world_size"]) == (best, found[best])
+
+
+def test_world_size_list_plans_every_size(capsys):
+    code, out, _ = run_plan(capsys, "--model", "llama-tiny", "--world-size", "3,1", "--stage", "2", "--stage", "3",
+                            "--seq", "16")
+    assert code == 0
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert [(r[0], r[1]) for r in rows] == [("2", "1"), ("3", "1"), ("2", "3"), ("3", "3")]
+    assert "recommended: stage" in out and "on 1 ranks" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--world-size", "2,x"], "--world-size takes a number, a comma-separated list or auto"),
+    (["--world-size", "auto", "--gpus-per-node", "0"], "--gpus-per-node must be at least 1"),
+    (["--world-size", "auto", "--max-world-size", "0"], "--max-world-size must be at least 1"),
+    (["--world-size", "4,0"], "world size must be at least 1"),
+])
+def test_world_size_bad_input(capsys, argv, message):
+    code, out, err = run_plan(capsys, "--model", "llama-tiny", *argv)
+    assert code == 2 and out == "" and err.startswith("error: ") and message in err and err.count("\n") == 1

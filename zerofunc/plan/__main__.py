@@ -71,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: cannot write {a.plot}: {e.strerror}", file=sys.stderr)
             return 2
     if candidates is not None:
-        ranks = f"ranks: auto, the fewest of {_span(candidates)} that fit"
+        tried = (f"powers of two up to {a.max_world_size}" if a.gpus_per_node is None else
+                 f"powers of two below {a.gpus_per_node}, then whole nodes of {a.gpus_per_node}, up to {a.max_world_size}")
+        ranks = f"ranks: auto, the fewest that fit ({tried})"
     else:
         ranks = f"{sizes[0]} ranks" if len(sizes) == 1 else f"ranks: {', '.join(map(str, sizes))}"
     print(json.dumps(as_json(base, reports, capacity), indent=2) if a.json else as_table(base, reports, capacity, ranks))
@@ -94,11 +96,6 @@ def world_sizes(spec: str, gpus_per_node: int | None, max_world_size: int) -> tu
     if sizes[0] < 1:
         raise ValueError(f"world size must be at least 1, got {sizes[0]}")
     return sizes, None
-
-
-def _span(candidates: list[int]) -> str:
-    return ", ".join(map(str, candidates)) if len(candidates) <= 4 else \
-        f"{', '.join(map(str, candidates[:3]))}, ..., {candidates[-1]}"
 
 
 if __name__ == "__main__":

@@ -79,9 +79,10 @@ def world_size_candidates(max_world_size: int, gpus_per_node: Optional[int] = No
 def smallest_fitting(plan: Plan, capacity: int, candidates: list[int]) -> StageReport:
     """The report of `plan` at the smallest candidate world size whose step fits `capacity`.
 
-    Binary search over the candidates: more ranks never need more memory per rank
-    (they shard more; activations do not change). If none fits, the report at the
-    largest candidate, which says by how much.
+    Binary search over the candidates: more ranks do not need more memory per rank
+    (they shard more, activations stay; only the padding of each unit to equal shards
+    grows, by under one element per rank). If none fits, the report at the largest
+    candidate, which says by how much.
     """
     def peak(n: int) -> int:
         return simulate(replace(plan, world_size=n), timing=False).memory.peak
