@@ -61,6 +61,8 @@ def parse(argv: list[str] | None) -> TrainArgs:
                         "0: none)")
     a = p.parse_args(argv)
 
+    if not 0 <= a.dropout < 1:
+        raise UsageError(f"--dropout must lie in [0, 1), got {a.dropout}")
     try:
         model_cfg = model_config(a.model, dropout=a.dropout)
     except ValueError as e:
@@ -86,8 +88,6 @@ def parse(argv: list[str] | None) -> TrainArgs:
         raise UsageError(f"--prefetch-depth must be >= 0, got {a.prefetch_depth}")
     if a.bucket_mb is not None and not a.bucket_mb >= 0:
         raise UsageError(f"--bucket-mb must be >= 0, got {a.bucket_mb}")
-    if not 0 <= a.dropout < 1:
-        raise UsageError(f"--dropout must lie in [0, 1), got {a.dropout}")
     context = model_cfg.block_size
     if a.seq > context:
         raise UsageError(f"--seq {a.seq} is longer than {a.model}'s context of {context} tokens")
