@@ -2,8 +2,9 @@
 
 Usage: python benchmarks/plan_speed.py [--repeats 3] [--quick]
 Plans every stage at world size 1024, each with its largest micro-batch found, for
-gpt2-xl, llama3-70b and llama3.1-405b (seq 4096 for the Llamas), and `--world-size
-auto` for llama3-70b. Prints the median wall time of each command and the planner's
+gpt2-xl, llama3-70b and llama3.1-405b (seq 4096, where nothing fits and one simulation
+per stage answers, and seq 1024, where stage 3 fits and its largest micro-batch takes
+a second), and `--world-size auto` for llama3-70b. Prints the median wall time of each command and the planner's
 table once. `--quick` runs each command once.
 """
 from __future__ import annotations
@@ -18,7 +19,9 @@ PLAN = [sys.executable, "-m", "zerofunc.plan"]
 COMMANDS = [
     ["--model", "gpt2-xl", "--world-size", "1024"],
     ["--model", "llama3-70b", "--world-size", "1024", "--seq", "4096"],
+    ["--model", "llama3-70b", "--world-size", "1024", "--seq", "1024"],
     ["--model", "llama3.1-405b", "--world-size", "1024", "--seq", "4096"],
+    ["--model", "llama3.1-405b", "--world-size", "1024", "--seq", "1024"],
     ["--model", "llama3-70b", "--world-size", "auto", "--hardware", "h100-sxm", "--seq", "4096"],
 ]
 

@@ -242,10 +242,3 @@ class MemoryLines:
             return 0
         limits = [(capacity - a) // b for a, b in zip(self.fixed, self.per_sample) if b > 0]
         return min([MAX_MICRO_BATCH, *limits])
-
-
-def memory_lines(plan: Plan) -> tuple[MemoryLines, dict[int, Simulation]]:
-    """The plan's memory lines, and the two simulations (keyed by micro-batch) they came from."""
-    sims = {mb: simulate(replace(plan, micro_batch=mb), timeline=True, timing=(mb == plan.micro_batch))
-            for mb in (1, 2)}
-    return MemoryLines.of(sims[1], sims[2]), sims

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from sim.memory import CATEGORIES
-from zerofunc.plan import Plan, Simulation, memory_lines, simulate
+from zerofunc.plan import MemoryLines, Plan, Simulation, simulate
 
 GiB = 2**30
 
@@ -52,12 +52,22 @@ class StageReport:
 
 
 def report_stage(plan: Plan, capacity: int, timeline: bool = False) -> StageReport:
-    """Simulate `plan`, and (for a model) find the largest micro-batch that fits `capacity`."""
+    """Simulate `plan`, and (for a model) find the largest micro-batch that fits `capacity`.
+
+    The largest micro-batch comes from the memory lines of micro-batches 1 and 2; when
+    one sequence alone does not fit, it is 0 and the second simulation is skipped.
+    """
     if plan.params is not None:
         return StageReport(simulate(plan, timeline=timeline), capacity, None)
-    lines, sims = memory_lines(plan)
-    sim = sims[plan.micro_batch] if plan.micro_batch in (1, 2) else simulate(plan, timeline=timeline)
-    return StageReport(sim, capacity, lines.max_micro_batch(capacity))
+    one = simulate(replace(plan, micro_batch=1), timeline=True, timing=plan.micro_batch == 1)
+    sims = {1: one}
+    if one.memory.peak > capacity:
+        max_micro_batch = 0
+    else:
+        sims[2] = simulate(replace(plan, micro_batch=2), timeline=True, timing=plan.micro_batch == 2)
+        max_micro_batch = MemoryLines.of(one, sims[2]).max_micro_batch(capacity)
+    sim = sims[plan.micro_batch] if plan.micro_batch in sims else simulate(plan, timeline=timeline)
+    return StageReport(sim, capacity, max_micro_batch)
 
 
 def recommend(reports: list[StageReport]) -> Optional[StageReport]:
