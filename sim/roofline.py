@@ -21,15 +21,33 @@ _BACKWARD_CPU = _aten._scaled_dot_product_flash_attention_for_cpu_backward
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
+_FLASH_BACKWARD = _aten._scaled_dot_product_flash_attention_backward
+_QUERY_AT = {_aten._scaled_dot_product_flash_attention: 0, _FLASH_BACKWARD: 1}  # k and v follow q
+
+
+def _multi_head(args: tuple, at: int) -> tuple:
+    """The arguments with k and v shaped as if every query head had its own (grouped-query
+    attention costs the FLOPs of full attention; torch 2.11's formulas assert equal head
+    counts). Formulas take shapes as well as tensors, so nothing is allocated."""
+    q, k, v = args[at:at + 3]
+    if k.shape[1] == q.shape[1]:
+        return args
+    heads = lambda t: torch.Size((t.shape[0], q.shape[1], *t.shape[2:]))  # noqa: E731
+    return (*args[:at + 1], heads(k), heads(v), *args[at + 3:])
+
+
 def op_flops(func, args, kwargs, out) -> int:
     packet = func._overloadpacket
     if packet is _BACKWARD_CPU:
         grad_out, q, k, v, o, lse = args[:6]
-        return flop_registry[_aten._scaled_dot_product_flash_attention_backward](
-            grad_out, q, k, v, o, lse, None, None, None, None, out_val=out)
+        args, packet = (grad_out, q, k, v, o, lse, None, None, None, None), _FLASH_BACKWARD
     packet = _FORWARD_ALIAS.get(packet, packet)
     formula = flop_registry.get(packet)
-    return int(formula(*args, **(kwargs or {}), out_val=out)) if formula is not None else 0
+    if formula is None:
+        return 0
+    if packet in _QUERY_AT:
+        args = _multi_head(args, _QUERY_AT[packet])
+    return int(formula(*args, **(kwargs or {}), out_val=out))
 
 
 class Roofline(TorchDispatchMode):
