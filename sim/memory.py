@@ -165,12 +165,11 @@ class MemoryTracker(TorchDispatchMode):
             total = sum(live.values())
             if total > self.peak:
                 self.peak, self.at_peak = total, dict(live)
-        if self.keep_timeline:
-            self.timeline.append((self._label, tuple(live.values())))  # live's keys are CATEGORIES, in order
+        self._sample()
 
     def _sample(self) -> None:
         if self.keep_timeline:
-            self.timeline.append((self._label, tuple(self.live.values())))
+            self.timeline.append((self._label, tuple(self.live.values())))  # live's keys are CATEGORIES, in order
 
 
 class NoMemoryTracking:

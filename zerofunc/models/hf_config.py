@@ -85,20 +85,17 @@ def from_hf_dict(doc: dict) -> LlamaConfig | GPTConfig:
     elif kind == "qwen2" and doc.get("use_sliding_window"):
         raise ValueError("use_sliding_window is not supported for qwen2 (its window applies to some layers only)")
     heads = positive_int("num_attention_heads")
-    bias = bool(doc.get("attention_bias", False))
-    try:
-        return LlamaConfig(
-            n_layer=positive_int("num_hidden_layers"), n_head=heads, n_embd=positive_int("hidden_size"),
-            intermediate_size=positive_int("intermediate_size"), vocab_size=positive_int("vocab_size"),
-            n_kv_head=positive_int("num_key_value_heads", doc.get("num_key_value_heads", heads)),
-            head_dim=None if doc.get("head_dim") is None else positive_int("head_dim"), block_size=positive_int("max_position_embeddings",
-                                                                  doc.get("max_position_embeddings", _CONTEXT[kind])),
-            rope_theta=theta, rope_scaling=scaling, rms_norm_eps=float(doc.get("rms_norm_eps", _EPS)),
-            tie_word_embeddings=bool(doc.get("tie_word_embeddings", False)),
-            qkv_bias=kind == "qwen2" or bias, o_bias=bias and kind != "qwen2", mlp_bias=bool(doc.get("mlp_bias", False)),
-            sliding_window=window, model_type=kind)
-    except ValueError as e:
-        raise ValueError(str(e)) from None
+    bias = bool(doc.get("attention_bias", False))  # Llama's: on q, k, v and o; Qwen2 has q/k/v biases always
+    return LlamaConfig(
+        n_layer=positive_int("num_hidden_layers"), n_head=heads, n_embd=positive_int("hidden_size"),
+        intermediate_size=positive_int("intermediate_size"), vocab_size=positive_int("vocab_size"),
+        n_kv_head=positive_int("num_key_value_heads", doc.get("num_key_value_heads", heads)),
+        head_dim=None if doc.get("head_dim") is None else positive_int("head_dim"),
+        block_size=positive_int("max_position_embeddings", doc.get("max_position_embeddings", _CONTEXT[kind])),
+        rope_theta=theta, rope_scaling=scaling, rms_norm_eps=float(doc.get("rms_norm_eps", _EPS)),
+        tie_word_embeddings=bool(doc.get("tie_word_embeddings", False)),
+        qkv_bias=kind == "qwen2" or bias, o_bias=bias and kind != "qwen2", mlp_bias=bool(doc.get("mlp_bias", False)),
+        sliding_window=window, model_type=kind)
 
 
 def hf_config_dict(cfg: LlamaConfig | GPTConfig) -> dict:
