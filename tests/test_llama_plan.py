@@ -41,11 +41,7 @@ def planned_and_trained(model_name: str, stage: int):
     sim = simulate(plan)
     tracker = MemoryTracker()
     torch.manual_seed(0)
-    model = tiny_hf_llama() if model_name == "hf" else None
-    if model is None:
-        from zerofunc.models import build_model
-        with torch.device("meta"):
-            model = build_model(plan.config)
+    model = tiny_hf_llama() if model_name == "hf" else plan.build()  # real weights, or meta and init_param
     engine = initialize(model, plan.zero_config(), device="cpu", comm=comm, memory=tracker, compile=False)
     gen = torch.Generator().manual_seed(comm.rank)
     ids = torch.randint(0, 97, (MICRO_BATCH, SEQ + 1), generator=gen)

@@ -99,9 +99,7 @@ def smallest_fitting(plan: Plan, capacity: int, candidates: list[int]) -> StageR
 
     lo, hi = 0, len(candidates) - 1
     if peak(candidates[hi]) > capacity:
-        report = report_stage(replace(plan, world_size=candidates[hi]), capacity)
-        report.beyond = True
-        return report
+        return replace(report_stage(replace(plan, world_size=candidates[hi]), capacity), beyond=True)
     while lo < hi:  # invariant: candidates[hi] fits
         mid = (lo + hi) // 2
         if peak(candidates[mid]) <= capacity:
