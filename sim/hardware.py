@@ -1,8 +1,9 @@
 """Hardware profiles: what a device computes, stores and sends. Kept as data in profiles.json.
 
 A profile gives per-device memory, sustained matmul rates per dtype, memory bandwidth,
-the link within a node and the network between nodes (alpha-beta), and which
-attention kernel the device's PyTorch would run. Each entry says where its figures
+the link within a node and the network between nodes (alpha-beta), which
+attention kernel the device's PyTorch would run, and for ZeRO-Offload the host memory
+per device, the host link's bandwidth and the host's AdamW rate. Each entry says where its figures
 come from; figures not measured here are marked as published or assumed.
 """
 from __future__ import annotations
@@ -33,7 +34,12 @@ class Profile:
     attention: str
     collective_staging: dict[str, float]  # what the backend copies per collective, x payload, until it completes
     sources: dict[str, str]
-    device_names: tuple[str, ...] = ()  # substrings of the device name torch reports, to find the profile of a GPU
+    device_names: tuple[str, ...] = ()
+    # ZeRO-Offload: host memory per device (on a CPU profile, the same memory as the device's),
+    # the host link each way (pinned copies), and the host's fused AdamW rate per device
+    host_memory_bytes: int = 0
+    host_link_bandwidth: float = float("inf")
+    cpu_adamw_params_per_s: float = float("inf")  # substrings of the device name torch reports, to find the profile of a GPU
 
     def link(self, world_size: int) -> Link:
         """The ring's slowest hop: within a node if the group fits in one, else the network."""
@@ -57,7 +63,9 @@ def profiles() -> dict[str, Profile]:
                             memory_bandwidth=p["memory_bandwidth"], devices_per_node=p["devices_per_node"],
                             intra_node=Link(**p["intra_node"]), inter_node=Link(**p["inter_node"]),
                             attention=p["attention"], collective_staging=p.get("collective_staging", {}),
-                            sources=p["sources"], device_names=tuple(p.get("device_names", ())))
+                            sources=p["sources"], device_names=tuple(p.get("device_names", ())),
+                            host_memory_bytes=int(p["host_memory_gib"] * 2**30),
+                            host_link_bandwidth=p["host_link_bandwidth"], cpu_adamw_params_per_s=p["cpu_adamw_params_per_s"])
     return out
 
 

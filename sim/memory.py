@@ -8,6 +8,10 @@ with `track`. A storage resized in place (`untyped_storage().resize_`, beneath t
 dispatcher) is re-measured with `resized`. On the meta device nothing is allocated,
 but storages still have sizes, so a simulated step is counted exactly like a real one.
 
+Host memory (ZeRO-Offload's optimizer state) is counted apart from device memory:
+what is allocated while `sim.placement` says the work is on the host, or registered
+with `track(..., host=True)`. The peak is the device's; the host has its own.
+
 It counts tensor bytes, not allocator blocks: no caching-allocator rounding or
 fragmentation, and no workspace a kernel allocates internally.
 """
@@ -22,6 +26,7 @@ from typing import Iterator, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from sim import placement
 from sim.tensors import tensors
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers", "other")
@@ -29,12 +34,16 @@ CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers", "other")
 
 @dataclass
 class MemoryReport:
-    """What a tracker saw: per category its largest live value, and the peak of the total."""
+    """What a tracker saw: per category its largest live value, and the peak of the total, on the
+    device; and the same for host memory."""
 
     max_by_category: dict[str, int]
     peak: int
     at_peak: dict[str, int]
-    timeline: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)  # (label, live per CATEGORIES)
+    # (label, device bytes live per CATEGORIES, host bytes live)
+    timeline: list[tuple[str, tuple[int, ...], int]] = field(default_factory=list)
+    host_max_by_category: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
+    host_peak: int = 0
 
     @property
     def model_states(self) -> int:
@@ -48,11 +57,14 @@ class MemoryTracker(TorchDispatchMode):
         self.max = dict.fromkeys(CATEGORIES, 0)
         self.peak = 0
         self.at_peak = dict(self.live)
+        self.host_live = dict.fromkeys(CATEGORIES, 0)
+        self.host_max = dict.fromkeys(CATEGORIES, 0)
+        self.host_peak = 0
         self.keep_timeline = keep_timeline
-        self.timeline: list[tuple[str, tuple[int, ...]]] = []
+        self.timeline: list[tuple[str, tuple[int, ...], int]] = []
         self._label = ""
         self._category = ["other"]
-        self._storages: dict[int, list] = {}  # id(storage) -> [category, nbytes]
+        self._storages: dict[int, list] = {}  # id(storage) -> [category, nbytes, weakref, host]
         self._in_backend = 0                  # > 0 inside a collective call: its allocations are the backend's
         self._held = itertools.count(-1, -1)  # keys of hold()s, never an id() of a storage
 
@@ -87,9 +99,9 @@ class MemoryTracker(TorchDispatchMode):
     def hold(self, nbytes: int, category: str = "buffers") -> int:
         """Count `nbytes` that no tensor here owns (a backend's staging) until drop(key)."""
         key = next(self._held)
-        self._storages[key] = [category, nbytes]
+        self._storages[key] = [category, nbytes, None, False]
         self.live[category] += nbytes
-        self._changed(category)
+        self._changed(category, False)
         return key
 
     def drop(self, key: int) -> None:
@@ -100,76 +112,83 @@ class MemoryTracker(TorchDispatchMode):
         self._label = label
         self._sample()
 
-    def track(self, tensor: torch.Tensor, category: str) -> None:
-        """Count `tensor`'s storage under `category`, moving it there if already counted."""
+    def track(self, tensor: torch.Tensor, category: str, host: bool = False) -> None:
+        """Count `tensor`'s storage under `category` (of host memory if `host`), moving it there if
+        already counted."""
         storage = tensor.untyped_storage()
         entry = self._storages.get(id(storage))
         if entry is None:
-            self._add(storage, category)
-        elif entry[0] != category:
-            self._change(entry, category, entry[1])
+            self._add(storage, category, host)
+        elif entry[0] != category or entry[3] != host:
+            self._change(entry, category, entry[1], host)
 
     def resized(self, tensor: torch.Tensor) -> None:
         """Re-measure `tensor`'s storage after an in-place resize."""
         storage = tensor.untyped_storage()
         entry = self._storages.get(id(storage))
         if entry is not None:
-            self._change(entry, entry[0], storage.nbytes())
+            self._change(entry, entry[0], storage.nbytes(), entry[3])
 
     def report(self) -> MemoryReport:
-        return MemoryReport(dict(self.max), self.peak, dict(self.at_peak), list(self.timeline))
+        return MemoryReport(dict(self.max), self.peak, dict(self.at_peak), list(self.timeline),
+                            dict(self.host_max), self.host_peak)
 
     def reset_peak(self) -> None:
         """Start a new measurement window from what is live now (e.g. at each training step)."""
         self.max = dict(self.live)
         self.peak = sum(self.live.values())
         self.at_peak = dict(self.live)
+        self.host_max = dict(self.host_live)
+        self.host_peak = sum(self.host_live.values())
         self.timeline.clear()
 
     # ---- the dispatch hook -------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        host = placement.on_host(placement.where())
         for t in tensors(out):
             if not self._in_backend and id(t.untyped_storage()) not in self._storages:
-                self._add(t.untyped_storage(), self._category[-1])
+                self._add(t.untyped_storage(), self._category[-1], host)
         return out
 
     # ---- bookkeeping ---------------------------------------------------------------------
-    def _add(self, storage, category: str) -> None:
+    def _add(self, storage, category: str, host: bool = False) -> None:
         key = id(storage)
         # a weak reference whose callback uncounts the storage (cheaper than weakref.finalize,
         # and a simulated step of a large model makes tens of thousands); the entry keeps it alive
-        entry = [category, storage.nbytes(), weakref.ref(storage, lambda _, key=key: self._free(key))]
+        entry = [category, storage.nbytes(), weakref.ref(storage, lambda _, key=key: self._free(key)), host]
         self._storages[key] = entry
-        self.live[category] += entry[1]
-        self._changed(category)
+        (self.host_live if host else self.live)[category] += entry[1]
+        self._changed(category, host)
 
     def _free(self, key: int) -> None:
         entry = self._storages.pop(key, None)
         if entry is not None:
-            self.live[entry[0]] -= entry[1]
-            self._changed(None)
+            (self.host_live if entry[3] else self.live)[entry[0]] -= entry[1]
+            self._changed(None, entry[3])
 
-    def _change(self, entry: list, category: str, nbytes: int) -> None:
-        self.live[entry[0]] -= entry[1]
-        entry[0], entry[1] = category, nbytes
-        self.live[category] += nbytes
-        self._changed(category)
+    def _change(self, entry: list, category: str, nbytes: int, host: bool) -> None:
+        (self.host_live if entry[3] else self.live)[entry[0]] -= entry[1]
+        entry[0], entry[1], entry[3] = category, nbytes, host
+        (self.host_live if host else self.live)[category] += nbytes
+        self._changed(category, host)
 
-    def _changed(self, grown: Optional[str]) -> None:
-        """Bookkeeping after the live bytes of category `grown` rose (None: only fell)."""
-        live = self.live
+    def _changed(self, grown: Optional[str], host: bool) -> None:
+        """Bookkeeping after the live bytes of category `grown` (device or host) rose (None: only fell)."""
         if grown is not None:
-            if live[grown] > self.max[grown]:
-                self.max[grown] = live[grown]
+            live, most = (self.host_live, self.host_max) if host else (self.live, self.max)
+            if live[grown] > most[grown]:
+                most[grown] = live[grown]
             total = sum(live.values())
-            if total > self.peak:
+            if host:
+                self.host_peak = max(self.host_peak, total)
+            elif total > self.peak:
                 self.peak, self.at_peak = total, dict(live)
         self._sample()
 
     def _sample(self) -> None:
-        if self.keep_timeline:
-            self.timeline.append((self._label, tuple(self.live.values())))  # live's keys are CATEGORIES, in order
+        if self.keep_timeline:  # live's keys are CATEGORIES, in order
+            self.timeline.append((self._label, tuple(self.live.values()), sum(self.host_live.values())))
 
 
 class NoMemoryTracking:
@@ -190,7 +209,7 @@ class NoMemoryTracking:
     def mark(self, label: str) -> None:
         pass
 
-    def track(self, tensor: torch.Tensor, category: str) -> None:
+    def track(self, tensor: torch.Tensor, category: str, host: bool = False) -> None:
         pass
 
     def resized(self, tensor: torch.Tensor) -> None:

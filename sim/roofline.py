@@ -5,6 +5,10 @@ formulas (torch.utils.flop_counter) and the bytes it reads and writes (its tenso
 inputs and outputs; views move nothing), and charges
 max(FLOPs / peak rate for the op's dtype, bytes / memory bandwidth).
 The sum is the step's compute time on a device with those rates, if nothing overlaps.
+
+Work placed elsewhere (sim.placement: ZeRO-Offload's optimizer on the host, copies
+over the host link) is not device compute: it is timed apart, at the host's streaming
+rate or the link's bandwidth, by the bytes it reads and writes.
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from sim import placement
 from sim.tensors import tensors as tensors_in
 
 _aten = torch.ops.aten
@@ -50,21 +55,48 @@ def op_flops(func, args, kwargs, out) -> int:
     return int(formula(*args, **(kwargs or {}), out_val=out))
 
 
+# The bytes this roofline counts for one parameter of a fused AdamW (torch._fused_adamw_): param,
+# grad, m and v read (fp32), and each written, as the op's schema marks them all mutable. A host's
+# AdamW rate in parameters/s times this is the host rate in these bytes.
+ADAMW_BYTES_COUNTED = 32
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _written_in_place(func, args) -> int:
+    """Bytes of the arguments an op writes without returning them (a fused optimizer's state):
+    each is read and written, and only the read is among the inputs."""
+    if func._schema.returns:
+        return 0
+    return sum(_nbytes(t) for arg, value in zip(func._schema.arguments, args)
+               if arg.alias_info is not None and arg.alias_info.is_write for t in tensors_in(value))
+
+
 class Roofline(TorchDispatchMode):
-    def __init__(self, flops_per_s: dict[str, float], bytes_per_s: float):
+    def __init__(self, flops_per_s: dict[str, float], bytes_per_s: float, host_bytes_per_s: float = float("inf"),
+                 link_bytes_per_s: float = float("inf")):
         super().__init__()
         self.flops_per_s, self.bytes_per_s = flops_per_s, bytes_per_s
+        self._elsewhere = {"host": host_bytes_per_s, "d2h": link_bytes_per_s, "h2d": link_bytes_per_s}
         self.flops = 0
         self.bytes = 0
-        self.time_s = 0.0
+        self.time_s = 0.0  # on the device
+        self.elsewhere_s = dict.fromkeys(self._elsewhere, 0.0)  # on the host, and each way over the link
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func.is_view:
             return out
-        flops = op_flops(func, args, kwargs, out)
         results = list(tensors_in(out))
         moved = sum(t.numel() * t.element_size() for t in (*tensors_in((args, kwargs)), *results))
+        place = placement.where()
+        if place != "device":  # a copy over the link moves its destination; a host op what it reads and writes
+            nbytes = sum(_nbytes(t) for t in results) if place != "host" else moved + _written_in_place(func, args)
+            self.elsewhere_s[place] += nbytes / self._elsewhere[place]
+            return out
+        flops = op_flops(func, args, kwargs, out)
         dtype = results[0].dtype if results else torch.float32
         rate = self.flops_per_s.get(DTYPE_NAMES.get(dtype, "fp32"), self.flops_per_s["fp32"])
         self.flops += flops

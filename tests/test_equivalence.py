@@ -1,4 +1,5 @@
-"""Every ZeRO stage trains exactly like one device on the same global batch."""
+"""Every ZeRO stage trains exactly like one device on the same global batch, and with a memory lever on
+exactly like with it off."""
 from __future__ import annotations
 
 import os
@@ -9,12 +10,13 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings, strategies as st
 
-from tests.bare import OPTIM, in_world, rel_err
+from tests.bare import OPTIM, close, in_world, rel_err
 from tests.worlds import Case, IN_RANK, agreed_max, global_batches, reference_model, small_cases
 from zerofunc.comm import DistCommunicator
 from zerofunc.engine import ZeroEngine
 from zerofunc.models import build_model
 from zerofunc.overlap import DEFAULT_BUCKET_BYTES, Overlap
+from zerofunc.recompute import MODES, ActivationCheckpointing
 from zerofunc.stages import STAGES
 
 STEPS = 3
@@ -37,6 +39,19 @@ trainings = st.builds(Training, grad_accum=st.integers(1, 3), clip=st.sampled_fr
                                         bucket_bytes=st.sampled_from([0, 4096, DEFAULT_BUCKET_BYTES])))
 
 
+@dataclass(frozen=True)
+class Levers:
+    """The memory levers drawn for one stage of a case (offload exists at stages 1-3 only)."""
+
+    stage: int
+    checkpointing: ActivationCheckpointing
+    offload: bool
+
+
+leverss = st.builds(lambda stage, ac, every, offload: Levers(stage, ActivationCheckpointing(ac, every), offload and stage > 0),
+                    st.sampled_from(list(STAGES)), st.sampled_from(MODES), st.integers(1, 3), st.booleans())
+
+
 def reference_run(case: Case, training: Training, world_size: int):
     """Single-process training with torch.optim.AdamW on each whole global batch.
 
@@ -57,14 +72,16 @@ def reference_run(case: Case, training: Training, world_size: int):
     return first_grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def engine_run(case: Case, training: Training, stage: int):
+def engine_run(case: Case, training: Training, stage: int, levers: Levers | None = None):
     """The same global batches on this rank's engine: micro-step j of rank r takes micro-batch j*N + r."""
     comm = DistCommunicator()
     rank, world = comm.rank, comm.world_size
     with torch.device("meta"):
         model = build_model(case.cfg)
     engine = ZeroEngine(model, STAGES[stage], comm, OPTIM, init=lambda n, s: model.init_param(n, s, case.seed),
-                        grad_accum=training.grad_accum, clip=training.clip, overlap=training.overlap)
+                        grad_accum=training.grad_accum, clip=training.clip, overlap=training.overlap,
+                        checkpointing=levers.checkpointing if levers else ActivationCheckpointing(),
+                        offload_optimizer=levers.offload if levers else False)
     initial = engine.full_parameters()
     mb = case.micro_batch
     first_grads = None
@@ -83,12 +100,13 @@ def check_all_stages(max_examples: int) -> int:
     checked = []
 
     @settings(IN_RANK, max_examples=max_examples)
-    @given(case=small_cases(), training=trainings)
-    def prop(case, training):
+    @given(case=small_cases(), training=trainings, levers=leverss)
+    def prop(case, training, levers):
         ref_grads, ref_params = reference_run(case, training, world)
         init = reference_model(case).state_dict()
+        runs = {}
         for stage in STAGES:
-            initial, grads, params = engine_run(case, training, stage)
+            initial, grads, params = runs[stage] = engine_run(case, training, stage)
             init_err = agreed_max(max(rel_err(initial[n], init[n]) if init[n].norm() > 0 else 0.0 for n in init))
             assert init_err == 0.0, f"stage {stage}: initial weights depend on the world size ({init_err})"
             zero = agreed_max(float(sum(g.norm() == 0 for g in grads.values())))
@@ -100,10 +118,30 @@ def check_all_stages(max_examples: int) -> int:
             p_err = agreed_max(errs[worst])
             assert p_err <= TOL, (f"stage {stage}, {training}: parameters after {STEPS} steps differ by {p_err:.2e} "
                                   f"(worst here: {worst} {errs[worst]:.2e})")
+        check_levers(case, training, levers, runs[levers.stage])
         checked.append(type(case.cfg).__name__)
 
     prop()
     return sorted(set(checked)), len(checked)
+
+
+def check_levers(case: Case, training: Training, levers: Levers, plain) -> None:
+    """The stage trained with the drawn levers against the same stage without them: the gradients
+    bit for bit (recomputation redoes the same ops; offload only copies them), the parameters bit
+    for bit under checkpointing alone, and within 1e-6 of max(1, |w|) with offload (torch's fused
+    CPU AdamW rounds differently from the reference's separate ops)."""
+    _, plain_grads, plain_params = plain
+    _, grads, params = engine_run(case, training, levers.stage, levers)
+    what = f"stage {levers.stage}, {levers}"
+    assert agreed_max(float(any(not torch.equal(grads[n], plain_grads[n]) for n in grads))) == 0, \
+        f"{what}: gradients differ from training without the levers"
+    if levers.offload:
+        worst = agreed_max(max(close(params[n], plain_params[n])[1] / close(params[n], plain_params[n])[2]
+                               for n in params))
+        assert worst <= 1.0, f"{what}: parameters beyond 1e-6 of training without offload ({worst:.2f} x tolerance)"
+    else:
+        assert agreed_max(float(any(not torch.equal(params[n], plain_params[n]) for n in params))) == 0, \
+            f"{what}: parameters differ from training without checkpointing"
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])

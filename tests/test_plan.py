@@ -104,7 +104,7 @@ def run_plan(capsys, *argv):
 
 def test_plan_json_schema_and_recommendation(capsys):
     code, out, _ = run_plan(capsys, "--model", "gpt2-tiny", "--world-size", "2", "--seq", "64", "--json",
-                            "--gpu-memory", "0.01")
+                            "--gpu-memory", "0.01", "--levers", "none")
     assert code == 0
     doc = json.loads(out)
     assert [s["stage"] for s in doc["stages"]] == [0, 1, 2, 3]
@@ -132,7 +132,7 @@ def test_plan_json_schema_and_recommendation(capsys):
 def test_plan_table_and_plot(capsys, tmp_path):
     png = tmp_path / "timeline.png"
     code, out, _ = run_plan(capsys, "--model", "gpt2-tiny", "--world-size", "4", "--stage", "1", "--stage", "3",
-                            "--seq", "32", "--plot", str(png))
+                            "--seq", "32", "--plot", str(png), "--levers", "none")
     assert code == 0
     rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
     assert [r[0] for r in rows] == ["1", "3"] and "recommended: stage" in out
@@ -164,7 +164,7 @@ def test_trainer_reports_what_the_planner_predicts(capsys, tmp_path, stage):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     code, doc, _ = run_plan(capsys, "--model", "gpt2-tiny", "--world-size", "2", "--stage", str(stage),
                             "--micro-batch", "2", "--seq", "32", "--precision", "fp32", "--hardware", "cpu-gloo",
-                            "--json")
+                            "--json", "--levers", "none")
     planned = json.loads(doc)["stages"][0]
     for row in rows:
         assert row["comm_volume_bytes"] == planned["comm"]["volume_bytes"]
@@ -176,7 +176,8 @@ def test_world_size_auto_finds_the_fewest_ranks_that_fit(capsys):
     the recommendation is the fewest ranks over all stages."""
     capacity = 3 * 2**20  # llama-tiny at 64 tokens: model states of ~7 MiB must be spread over several ranks
     code, out, _ = run_plan(capsys, "--model", "llama-tiny", "--world-size", "auto", "--gpus-per-node", "4",
-                            "--max-world-size", "64", "--seq", "64", "--gpu-memory", str(capacity / 2**30), "--json")
+                            "--max-world-size", "64", "--seq", "64", "--gpu-memory", str(capacity / 2**30), "--json",
+                            "--levers", "none")
     assert code == 0
     doc = json.loads(out)
     candidates = [1, 2, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60, 64]
@@ -199,7 +200,7 @@ def test_world_size_auto_finds_the_fewest_ranks_that_fit(capsys):
 
 def test_world_size_list_plans_every_size(capsys):
     code, out, _ = run_plan(capsys, "--model", "llama-tiny", "--world-size", "3,1", "--stage", "2", "--stage", "3",
-                            "--seq", "16")
+                            "--seq", "16", "--levers", "none")
     assert code == 0
     rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
     assert [(r[0], r[1]) for r in rows] == [("2", "1"), ("3", "1"), ("2", "3"), ("3", "3")]

@@ -20,6 +20,7 @@ from zerofunc import checkpoint
 from zerofunc.checkpoint import CheckpointError
 from zerofunc.models import MODELS, build_model, model_config
 from zerofunc.overlap import Overlap
+from zerofunc.recompute import MODES
 from zerofunc.units import partition
 
 DEFAULTS = dict(model="gpt2-tiny", stage=3, nproc=2, steps=1000, micro_batch=8, seq=128, lr=1e-3, seed=0)
@@ -59,6 +60,11 @@ def parse(argv: list[str] | None) -> TrainArgs:
     p.add_argument("--bucket-mb", type=float, default=None,
                    help=f"MiB of gradient reductions in flight before waiting (default {Overlap.bucket_bytes / 2**20:g}; "
                         "0: none)")
+    p.add_argument("--activation-checkpointing", choices=MODES, default=None,
+                   help="recompute blocks' forward in backward: every block (full), one in --ac-every (selective)")
+    p.add_argument("--ac-every", type=int, default=None, help="selective checkpointing: one block in K (default 2)")
+    p.add_argument("--offload-optimizer", choices=("none", "cpu"), default=None,
+                   help="cpu: the optimizer's state in host memory, its update on the CPU (stages 1-3)")
     a = p.parse_args(argv)
 
     if not 0 <= a.dropout < 1:
@@ -88,6 +94,10 @@ def parse(argv: list[str] | None) -> TrainArgs:
         raise UsageError(f"--prefetch-depth must be >= 0, got {a.prefetch_depth}")
     if a.bucket_mb is not None and not a.bucket_mb >= 0:
         raise UsageError(f"--bucket-mb must be >= 0, got {a.bucket_mb}")
+    if a.ac_every is not None and a.ac_every < 1:
+        raise UsageError(f"--ac-every must be at least 1, got {a.ac_every}")
+    if a.ac_every is not None and a.activation_checkpointing not in (None, "selective"):
+        raise UsageError(f"--ac-every chooses the blocks of selective checkpointing, not {a.activation_checkpointing}")
     context = model_cfg.block_size
     if a.seq > context:
         raise UsageError(f"--seq {a.seq} is longer than {a.model}'s context of {context} tokens")
@@ -135,6 +145,12 @@ def _overrides(a: argparse.Namespace) -> dict:
     if a.precision is not None:
         out["fp16.enabled"] = a.precision == "fp16"
         out["bf16.enabled"] = a.precision == "bf16"
+    if a.activation_checkpointing is not None or a.ac_every is not None:
+        out["activation_checkpointing.mode"] = a.activation_checkpointing or "selective"
+    if a.ac_every is not None:
+        out["activation_checkpointing.every"] = a.ac_every
+    if a.offload_optimizer is not None:
+        out["zero_optimization.offload_optimizer.device"] = a.offload_optimizer
     return out
 
 

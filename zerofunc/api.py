@@ -47,7 +47,8 @@ def initialize(model: nn.Module, config: dict | str | Path | Config, *, device: 
     engine = ZeroEngine(model, get_stage(cfg.stage), comm, cfg.optimizer, device, init,
                         unit_names if unit_names is not None else default_units(model), precision=cfg.precision,
                         memory=memory, grad_accum=cfg.grad_accum, clip=cfg.clip, loss_scaler=cfg.loss_scaler(),
-                        overlap=cfg.overlap, compile=torch.device(device).type == "cuda" if compile is None else compile)
+                        overlap=cfg.overlap, compile=torch.device(device).type == "cuda" if compile is None else compile,
+                        checkpointing=cfg.checkpointing, offload_optimizer=cfg.offload_optimizer)
     engine.optimizer.lr_schedule = cfg.lr
     engine.config = cfg
     if real:

@@ -1,9 +1,16 @@
 """The DeepSpeed-style JSON config, read into a plain dataclass.
 
 The same file a DeepSpeed user already has works here. Keys zerofunc implements are
-read; known DeepSpeed keys it does not need (bucket sizes, overlap flags, offload, ...)
-are listed in `Config.ignored` for one warning; anything else is an error that names
-the key. Errors are `ConfigError`, one line each.
+read; known DeepSpeed keys it does not need (bucket sizes, ...) are listed in
+`Config.ignored` for one warning; a known key asking for what zerofunc does not do
+(NVMe or parameter offload, activations checkpointed to the CPU) is an error, as is
+anything unknown, naming the key. Errors are `ConfigError`, one line each.
+
+The memory levers: `zero_optimization.offload_optimizer.device: "cpu"` (or DeepSpeed's
+older `cpu_offload: true`) keeps the optimizer on the host; an `activation_checkpointing`
+section turns checkpointing on, "full" unless its `mode` says "selective" (with `every`)
+or "none". DeepSpeed leaves the choice of what to checkpoint to the model's code; those
+two keys are zerofunc's, for any model.
 """
 from __future__ import annotations
 
@@ -16,6 +23,7 @@ from typing import Any, Optional
 from zerofunc.loss_scale import LossScaler
 from zerofunc.optim import AdamWConfig
 from zerofunc.overlap import NO_OVERLAP, Overlap
+from zerofunc.recompute import ActivationCheckpointing
 from zerofunc.units import PRECISIONS
 
 
@@ -26,15 +34,21 @@ class ConfigError(ValueError):
 IGNORED_TOP = {"steps_per_print", "wall_clock_breakdown", "dump_state", "prescale_gradients",
                "gradient_predivide_factor", "sparse_gradients", "zero_allow_untested_optimizer",
                "communication_data_type", "tensorboard", "wandb", "csv_monitor", "comms_logger",
-               "flops_profiler", "activation_checkpointing", "memory_breakdown", "seq_parallel_communication_data_type",
+               "flops_profiler", "memory_breakdown", "seq_parallel_communication_data_type",
                "data_types", "checkpoint", "elasticity", "aio", "zero_force_ds_cpu_optimizer"}
 IGNORED_ZERO = {"contiguous_gradients", "allgather_bucket_size",
                 "reduce_scatter", "allgather_partitions", "round_robin_gradients", "stage3_prefetch_bucket_size",
                 "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance",
                 "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save", "sub_group_size",
-                "offload_optimizer", "offload_param", "memory_efficient_linear", "elastic_checkpoint",
-                "ignore_unused_parameters", "load_from_fp32_weights", "cpu_offload", "zero_hpz_partition_size",
+                "memory_efficient_linear", "elastic_checkpoint",
+                "ignore_unused_parameters", "load_from_fp32_weights", "zero_hpz_partition_size",
                 "zero_quantized_weights", "zero_quantized_gradients", "mics_shard_size", "use_multi_rank_bucket_allreduce"}
+OFFLOAD_KEYS = {"device"}
+IGNORED_OFFLOAD = {"pin_memory", "buffer_count", "fast_init", "nvme_path", "pipeline_read", "pipeline_write",
+                   "pipeline", "buffer_size", "max_in_cpu"}
+CHECKPOINTING_KEYS = {"mode", "every", "cpu_checkpointing"}
+IGNORED_CHECKPOINTING = {"partition_activations", "contiguous_memory_optimization", "number_checkpoints",
+                         "synchronize_checkpoint_boundary", "profile"}
 FP16_KEYS = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"}
 IGNORED_FP16 = {"consecutive_hysteresis", "auto_cast", "fp16_master_weights_and_grads"}
 SCHEDULES = {
@@ -88,6 +102,8 @@ class Config:
     fp16: dict = field(default_factory=dict)
     schedule: Optional[Schedule] = None
     overlap: Overlap = Overlap()
+    checkpointing: ActivationCheckpointing = ActivationCheckpointing()
+    offload_optimizer: bool = False
     ignored: tuple[str, ...] = ()
 
     def loss_scaler(self) -> Optional[LossScaler]:
@@ -126,14 +142,17 @@ def parse(source: dict | str | Path, world_size: int) -> Config:
     raw = read(source)
     ignored: list[str] = []
     known = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-             "zero_optimization", "fp16", "bf16", "gradient_clipping", "optimizer", "scheduler"}
+             "zero_optimization", "fp16", "bf16", "gradient_clipping", "optimizer", "scheduler",
+             "activation_checkpointing"}
     _check_keys(raw, known, IGNORED_TOP, "", ignored)
 
     zero = _section(raw, "zero_optimization")
-    _check_keys(zero, {"stage", "overlap_comm", "reduce_bucket_size"}, IGNORED_ZERO, "zero_optimization.", ignored)
+    _check_keys(zero, {"stage", "overlap_comm", "reduce_bucket_size", "offload_optimizer", "offload_param",
+                       "cpu_offload"}, IGNORED_ZERO, "zero_optimization.", ignored)
     stage = _number(zero, "stage", 0, "zero_optimization.stage", int)
     if stage not in (0, 1, 2, 3):
         raise ConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage}")
+    offload = _offload(zero, stage, ignored)
 
     fp16, bf16 = _section(raw, "fp16"), _section(raw, "bf16")
     _check_keys(fp16, FP16_KEYS, IGNORED_FP16, "fp16.", ignored)
@@ -149,7 +168,8 @@ def parse(source: dict | str | Path, world_size: int) -> Config:
     try:
         return Config(stage=stage, micro_batch=mb, grad_accum=gas, train_batch_size=tbs, precision=precision,
                       clip=clip, optimizer=_optimizer(raw, ignored), fp16=fp16, schedule=_schedule(raw),
-                      overlap=_overlap(zero, precision), ignored=tuple(ignored))
+                      overlap=_overlap(zero, precision), checkpointing=_checkpointing(raw, ignored),
+                      offload_optimizer=offload, ignored=tuple(ignored))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -168,6 +188,43 @@ def _overlap(zero: dict, precision: str) -> Overlap:
     if elements < 0:
         raise ConfigError(f"zero_optimization.reduce_bucket_size must be >= 0, got {elements}")
     return Overlap(bucket_bytes=elements * PRECISIONS[precision].itemsize)
+
+
+def _offload(zero: dict, stage: int, ignored: list) -> bool:
+    """Whether the optimizer is offloaded to the host; parameter and NVMe offload are not implemented."""
+    devices = {}
+    for key in ("offload_optimizer", "offload_param"):
+        section = _section(zero, key)
+        _check_keys(section, OFFLOAD_KEYS, IGNORED_OFFLOAD, f"zero_optimization.{key}.", ignored)
+        devices[key] = section.get("device", "none")
+    legacy = zero.get("cpu_offload", False)
+    if not isinstance(legacy, bool):
+        raise ConfigError(f"zero_optimization.cpu_offload must be true or false, got {json.dumps(legacy)}")
+    if devices["offload_param"] != "none":
+        raise ConfigError(f"zero_optimization.offload_param.device {json.dumps(devices['offload_param'])}: zerofunc "
+                          "does not offload parameters; remove the section or set its device to \"none\"")
+    device = "cpu" if legacy else devices["offload_optimizer"]
+    if device not in ("cpu", "none"):
+        raise ConfigError(f"zero_optimization.offload_optimizer.device must be \"cpu\" or \"none\", got "
+                          f"{json.dumps(device)} (zerofunc does not offload to NVMe)")
+    if device == "cpu" and stage == 0:
+        raise ConfigError("zero_optimization.offload_optimizer needs stage 1, 2 or 3")
+    return device == "cpu"
+
+
+def _checkpointing(raw: dict, ignored: list) -> ActivationCheckpointing:
+    if "activation_checkpointing" not in raw:
+        return ActivationCheckpointing()
+    section = _section(raw, "activation_checkpointing")
+    _check_keys(section, CHECKPOINTING_KEYS, IGNORED_CHECKPOINTING, "activation_checkpointing.", ignored)
+    if section.get("cpu_checkpointing", False) is not False:
+        raise ConfigError("activation_checkpointing.cpu_checkpointing: zerofunc keeps checkpointed activations on "
+                          "the device; remove the key or set it to false")
+    every = _number(section, "every", 2, "activation_checkpointing.every", int)
+    try:
+        return ActivationCheckpointing(str(section.get("mode", "full")), every)
+    except ValueError as e:
+        raise ConfigError(f"activation_checkpointing: {e}") from None
 
 
 def _section(raw: dict, key: str) -> dict:

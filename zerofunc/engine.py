@@ -10,6 +10,11 @@ Stage 3 additionally frees each gathered buffer after the unit's forward and gat
 it again on demand in backward (zerofunc/gather.py). Gradients come from torch
 autograd; torch.func's transforms return zeros through collectives.
 
+Two memory levers are decisions here too, not forks: activation checkpointing wraps a
+block's forward so that backward recomputes it (zerofunc/recompute.py), and optimizer
+offload keeps the optimizer's state on the host, where each reduced gradient shard
+goes the moment it exists (zerofunc/offload.py).
+
 Communication overlaps compute (see zerofunc/overlap.py): stage 3 gathers the next
 blocks while one computes, and every stage launches a block's gradient reduction as
 soon as its backward is done, waiting for it only when the in-flight bytes exceed the
@@ -19,6 +24,7 @@ The same code runs on meta tensors with a `RecordingCommunicator` to simulate a 
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional
 
 import torch
@@ -29,8 +35,10 @@ from zerofunc.comm import Communicator
 from zerofunc.gather import UnitGathering
 from zerofunc.layout import shard
 from zerofunc.loss_scale import LossScaler
+from zerofunc.offload import OptimizerOffload
 from zerofunc.optim import AdamWConfig
 from zerofunc.overlap import InFlight, Overlap
+from zerofunc.recompute import ActivationCheckpointing, checkpointed
 from zerofunc.sharded_optim import ShardedAdamW
 from zerofunc.stages import Stage
 from sim.memory import NoMemoryTracking
@@ -79,17 +87,22 @@ class ZeroEngine:
     `grad_accum` micro-steps make one optimizer step; `clip` > 0 clips the global
     gradient norm; `loss_scaler` (a LossScaler, for fp16) scales the loss in backward.
     `overlap` sets the prefetch depth and the bucket size (zerofunc.overlap.Overlap).
+    `checkpointing` says which blocks recompute their forward in backward; `offload_optimizer`
+    keeps the optimizer's state in host memory and updates it on the CPU (stages 1-3).
     """
 
     def __init__(self, model: nn.Module, stage: Stage, comm: Communicator, optim: AdamWConfig,
                  device: torch.device | str = "cpu", init: Optional[InitFn] = None,
                  unit_names: Optional[list[str]] = None, precision: str = "fp32", memory=None,
                  grad_accum: int = 1, clip: float = 0.0, loss_scaler: Optional[LossScaler] = None,
-                 overlap: Overlap = Overlap(), compile: bool = False):
+                 overlap: Overlap = Overlap(), compile: bool = False,
+                 checkpointing: ActivationCheckpointing = ActivationCheckpointing(), offload_optimizer: bool = False):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         if grad_accum < 1 or clip < 0:
             raise ValueError(f"need grad_accum >= 1 and clip >= 0, got {grad_accum} and {clip}")
+        if offload_optimizer and not stage.shard_optimizer:
+            raise ValueError("optimizer offload needs ZeRO stage 1, 2 or 3 (stage 0 keeps no optimizer shard)")
         self.grad_accum = grad_accum
         self.micro_step = 0          # backward passes since the last optimizer step
         self.model, self.stage, self.comm, self.optim, self.overlap = model, stage, comm, optim, overlap
@@ -99,16 +112,20 @@ class ZeroEngine:
         comm.memory = self.memory  # the backend's staging during collectives counts too
         if unit_names is None:
             unit_names = model.shard_units() if hasattr(model, "shard_units") else []
+        self.offload = OptimizerOffload(self.device, self.memory) if offload_optimizer else None
         self.units = [materialize(name, module, named, comm.world_size, comm.rank, stage, self.device, init,
-                                  PRECISIONS[precision], self.memory)
+                                  PRECISIONS[precision], self.memory, self.offload)
                       for name, module, named in partition(model, unit_names)]
         self.numel = sum(u.numel for u in self.units)
         self.optimizer = ShardedAdamW(self.units, stage, comm, optim, self.memory, clip, loss_scaler,
-                                      overlap.bucket_bytes)
+                                      overlap.bucket_bytes, self.offload)
         self._anchor = torch.empty(0, device=self.device, requires_grad=True)
         self._root = next((u for u in self.units if u.name == ""), None)  # parameters outside any block
         self.gathering = UnitGathering(self.units, stage, comm, overlap, self.memory)
-        for unit in self.gathering.blocks:
+        self.checkpointing = checkpointing
+        if checkpointing.on and not self.gathering.blocks:
+            raise ValueError("activation checkpointing recomputes blocks, and this model has none: give unit_names")
+        for i, unit in enumerate(self.gathering.blocks):
             unit.module.register_forward_pre_hook(self._gather_and_bind(unit))
             unit.module.register_forward_hook(self._unbind_and_release(unit))
             if compile:  # the block's compute only: its hooks gather, bind and release outside the graph
@@ -116,6 +133,9 @@ class ZeroEngine:
                 if stage.shard_params:  # a compiled backward saves its weights past the pack hook
                     unit.module.register_full_backward_pre_hook(
                         lambda module, grad_out, u=unit: self.gathering.regather(u))
+            if checkpointing.recomputes(i):
+                unit.module.forward = checkpointed(unit.module.forward, lambda u=unit: u.bound is not None,
+                                                   lambda u=unit: self._recomputing(u))
 
     # ---- forward -----------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -158,6 +178,22 @@ class ZeroEngine:
             unit.bound = None
             self.gathering.release(unit)
         return hook
+
+    @contextlib.contextmanager
+    def _recomputing(self, unit: Unit):
+        """Backward recomputes a checkpointed block: gather it again (stage 3) and bind its views for
+        the recomputation. It stays gathered for the block's backward, which follows and releases
+        it: one gather serves both (as DeepSpeed's stage3_max_reuse_distance arranges), so stage 3
+        gathers each block twice per step with checkpointing as without."""
+        self.memory.mark("recompute")
+        self.gathering.regather(unit)
+        unit.bound = _bind(self.model, self._unit_views(unit))
+        try:
+            yield
+        finally:
+            _bind(self.model, unit.bound)
+            unit.bound = None
+            self.memory.mark("backward")
 
     # ---- backward ----------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
@@ -204,6 +240,8 @@ class ZeroEngine:
                 unit.grad.copy_(reduced)
             else:
                 unit.grad = reduced if unit.grad is None else unit.grad.add_(reduced)
+            if self.offload is not None and self._boundary:  # reduced for the last time: to the host
+                unit.grad = self.offload.gradient_down(unit.staging, unit.grad)
 
         self._reducing.add(comm.reduce_scatter(reduced, sent, tag="grads", async_op=overlapped), nbytes, done)
         self.gathering.release(unit)  # stage 3: backward is done with this unit's weights
@@ -234,8 +272,10 @@ class ZeroEngine:
 
     def _unflatten(self, get: Callable[[Unit], torch.Tensor], sharded: bool) -> dict[str, torch.Tensor]:
         out = {}
+        if self.offload is not None:
+            self.offload.wait()
         for unit in self.units:
-            flat = get(unit)
+            flat = get(unit).to(unit.params.device)  # an offloaded master is on the host
             if sharded:
                 whole = torch.empty(unit.layout.padded_numel, device=flat.device, dtype=flat.dtype)
                 self.comm.all_gather(whole, flat, tag="export")

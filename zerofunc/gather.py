@@ -79,7 +79,8 @@ class UnitGathering:
             self.release(unit)
 
     def regather(self, unit: Unit) -> None:
-        """Backward needs the unit's weights again: gather it, and start on the blocks after it."""
+        """Backward needs the unit's weights again (to recompute its forward, or for its own backward):
+        gather it, and start on the blocks backward reaches after it."""
         self.gather(unit, "params.bwd")
         self.prefetch(unit, -1, "params.bwd")
 

@@ -7,11 +7,13 @@ which are what a checkpoint saves besides the units' masters and moments.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Callable, Optional
 
 import torch
 
+from sim.placement import placed
 from zerofunc.comm import Communicator
 from zerofunc.fused import adamw_fused_, unscale_
 from zerofunc.loss_scale import LossScaler
@@ -23,8 +25,10 @@ from zerofunc.units import Unit
 
 class ShardedAdamW:
     def __init__(self, units: list[Unit], stage: Stage, comm: Communicator, optim: AdamWConfig, memory,
-                 clip: float = 0.0, loss_scaler: Optional[LossScaler] = None, bucket_bytes: int = 0):
+                 clip: float = 0.0, loss_scaler: Optional[LossScaler] = None, bucket_bytes: int = 0,
+                 offload=None):
         self.units, self.stage, self.comm, self.optim, self.memory = units, stage, comm, optim, memory
+        self.offload = offload  # a zerofunc.offload.OptimizerOffload: the update runs on the host
         self._gathering = InFlight(bucket_bytes)  # stages 1-2: new weights spreading while the next unit updates
         self.clip, self.loss_scaler = clip, loss_scaler
         self.step_count = 0          # optimizer steps taken (skipped ones excluded)
@@ -40,6 +44,8 @@ class ShardedAdamW:
         for unit in self.units:
             if unit.grad is None:
                 raise RuntimeError(f"unit {unit.name or '<root>'} has no gradient: call backward() before step()")
+        if self.offload is not None:
+            self.offload.wait()
         factor = self._unscale_and_clip()
         if factor is None:
             self._clear_grads()
@@ -74,8 +80,11 @@ class ShardedAdamW:
         """
         out, gather = self._weights_out(unit)
         with self.memory.category("other"):
-            adamw_fused_(unit.master, unit.grad, unit.m, unit.v, self.step_count, self.optim, lr=lr,
-                         grad_scale=factor, out=out)
+            if self.offload is not None:
+                self.offload.update(unit.master, unit.grad, unit.m, unit.v, self.step_count, self.optim, lr, factor, out)
+            else:
+                adamw_fused_(unit.master, unit.grad, unit.m, unit.v, self.step_count, self.optim, lr=lr,
+                             grad_scale=factor, out=out)
         if gather:  # runs behind the next unit's update, within the bucket size
             nbytes = unit.params.numel() * unit.params.element_size()
             handle = self.comm.all_gather(unit.params, out, tag="params.step", async_op=self._gathering.overlaps(nbytes))
@@ -88,13 +97,13 @@ class ShardedAdamW:
         into every rank's whole weights; a fresh buffer even in fp32, as not every backend
         gathers from a slice of its own output in place. 16-bit stages 0 and 3: the weights
         are the same span as the master, rounded. fp32 stages 0 and 3: the master is the
-        weights, nothing to write.
+        weights, nothing to write, unless it is offloaded to the host.
         """
         if self.stage.shard_optimizer and not self.stage.shard_params:
             with self.memory.category("buffers"):
-                send = torch.empty(unit.master.shape, device=unit.master.device, dtype=unit.params.dtype)
+                send = torch.empty(unit.master.shape, device=unit.params.device, dtype=unit.params.dtype)
             return send, True
-        if unit.master.dtype != unit.params.dtype:
+        if unit.master.dtype != unit.params.dtype or self.offload is not None:
             return unit.params, False
         return None, False
 
@@ -115,15 +124,13 @@ class ShardedAdamW:
         scaler = self.loss_scaler
         if scaler is None and not self.clip:
             return 1.0
-        device = self.units[0].master.device
-        if scaler is not None:
-            stats = torch.zeros(2, device=device, dtype=torch.float32)  # [sum of squares, found_inf]
-            for unit in self.units:
-                stats += torch.cat(unscale_(unit.grad, 1.0 / scaler.scale))
-        else:
-            stats = torch.zeros(1, device=device, dtype=torch.float32)
-            for unit in self.units:  # in fp32, without a full fp32 copy of a 16-bit gradient
-                stats += torch.linalg.vector_norm(unit.grad, dtype=torch.float32).square()
+        device = self.units[0].params.device  # where the collective runs; offloaded gradients are on the host
+        stats = torch.zeros(2 if scaler is not None else 1, device=device, dtype=torch.float32)
+        with placed("host") if self.offload is not None else contextlib.nullcontext():
+            for unit in self.units:  # [sum of squares, found_inf], or the sum of squares in fp32
+                local = (torch.cat(unscale_(unit.grad, 1.0 / scaler.scale)) if scaler is not None
+                         else torch.linalg.vector_norm(unit.grad, dtype=torch.float32).square().reshape(1))
+                stats += local.to(device)
         if self.stage.shard_optimizer:
             self.comm.all_reduce(stats, tag="grad_norm", mean=False)
         stats[0:1].sqrt_()  # the norm, in fp32 as before

@@ -32,7 +32,8 @@ class Unit:
     views of: `params` itself for stages 0-2, and for stage 3 a gather buffer whose
     storage exists only while the unit is in use. `master` is the fp32 copy of what
     this rank's optimizer updates (all of it for stage 0, its shard otherwise); in fp32
-    training it is `params` itself, or a view of it, so nothing is stored twice.
+    training it is `params` itself, or a view of it, so nothing is stored twice, unless
+    the optimizer is offloaded: then master, m and v are host tensors (zerofunc.offload).
     """
 
     name: str
@@ -45,6 +46,7 @@ class Unit:
     v: torch.Tensor
     grad: Optional[torch.Tensor] = None        # what the optimizer consumes: full (stage 0) or shard
     local_grad: Optional[torch.Tensor] = None  # stages 0-1: this rank's unreduced full gradient
+    staging: Optional[torch.Tensor] = None  # optimizer offload: the host buffer gradients come down into
     gathered: bool = True      # stage 3: the gather buffer has storage (its gather may still be running)
     gathering: Optional[Handle] = None  # stage 3: the prefetch that fills it, until waited on
     bound: Optional[dict] = None  # stage 3: the model's own parameters, while the unit's views stand in
@@ -73,31 +75,36 @@ def partition(model: nn.Module, unit_names: list[str]) -> list[tuple[str, nn.Mod
 
 
 def materialize(name: str, module: nn.Module, named: list, world_size: int, rank: int, stage: Stage,
-                device: torch.device, init: Optional[InitFn], dtype: torch.dtype, memory) -> Unit:
+                device: torch.device, init: Optional[InitFn], dtype: torch.dtype, memory, offload=None) -> Unit:
     """Allocate one unit on `device` and fill only what this rank keeps.
 
     Each parameter is drawn whole from `init` (so its values do not depend on the
     world size) and all but the elements this rank keeps are dropped at once: under
     stage 3 no rank ever holds a whole unit, let alone the model, in fp32. The master
     copy is filled from the fp32 values, not from their 16-bit rounding. On the meta
-    device nothing is initialized.
+    device nothing is initialized. With `offload` (a zerofunc.offload.OptimizerOffload),
+    the optimizer's state and a staging buffer are allocated in host memory.
     """
     layout = FlatLayout.build([(n, p.shape) for n, p in named], world_size)
     whole = (0, layout.padded_numel)
     kept = layout.shard_range(rank) if stage.shard_params else whole
     owned = layout.shard_range(rank) if stage.shard_optimizer else whole
 
-    def filled(span: tuple[int, int], dt: torch.dtype) -> torch.Tensor:
-        buf = torch.zeros(span[1] - span[0], device=device, dtype=dt)
-        if init is not None and device.type != "meta":
+    def filled(buf: torch.Tensor, span: tuple[int, int]) -> torch.Tensor:
+        if init is not None and buf.device.type != "meta":
             for slot, lo, hi, at in layout.pieces(*span):
-                buf[at:at + hi - lo] = init(slot.name, slot.shape).reshape(-1)[lo:hi].to(device, dt)
+                buf[at:at + hi - lo] = init(slot.name, slot.shape).reshape(-1)[lo:hi].to(buf.device, buf.dtype)
         return buf
 
-    params = filled(kept, dtype)
+    params = filled(torch.zeros(kept[1] - kept[0], device=device, dtype=dtype), kept)
     memory.track(params, "params")
-    if dtype != torch.float32:
-        master = filled(owned, torch.float32)
+    staging = None
+    if offload is not None:
+        master = filled(offload.zeros(owned[1] - owned[0], torch.float32, "optimizer"), owned)
+        m, v = (offload.zeros(master.numel(), torch.float32, "optimizer") for _ in range(2))
+        staging = offload.zeros(master.numel(), dtype, "grads")
+    elif dtype != torch.float32:
+        master = filled(torch.zeros(owned[1] - owned[0], device=device, dtype=torch.float32), owned)
         memory.track(master, "optimizer")
     else:
         master = params[owned[0] - kept[0]:owned[1] - kept[0]]
@@ -107,7 +114,8 @@ def materialize(name: str, module: nn.Module, named: list, world_size: int, rank
         memory.track(full, "buffers")
     else:
         full = params
-    m, v = torch.zeros_like(master), torch.zeros_like(master)
-    memory.track(m, "optimizer")
-    memory.track(v, "optimizer")
-    return Unit(name, module, layout, params, full, master, m, v, gathered=not stage.shard_params)
+    if offload is None:
+        m, v = torch.zeros_like(master), torch.zeros_like(master)
+        memory.track(m, "optimizer")
+        memory.track(v, "optimizer")
+    return Unit(name, module, layout, params, full, master, m, v, staging=staging, gathered=not stage.shard_params)

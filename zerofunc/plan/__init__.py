@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 import torch
@@ -25,12 +25,13 @@ from sim.hardware import Profile, get_profile
 from sim.ledger import LedgerEntry
 from sim.memory import MemoryReport, MemoryTracker
 from sim.meta_cache import MetaKernelCache
-from sim.roofline import Roofline
+from sim.roofline import ADAMW_BYTES_COUNTED, Roofline
 from zerofunc.api import initialize
 from zerofunc.comm import RecordingCommunicator
 from zerofunc.config import Config
 from zerofunc.models import ModelConfig, build_model, model_config
 from zerofunc.overlap import Overlap
+from zerofunc.recompute import ActivationCheckpointing
 from zerofunc.stages import get_stage
 from zerofunc.step import train_step
 from zerofunc.units import PRECISIONS
@@ -58,6 +59,9 @@ class Plan:
     hardware: str = "h100-sxm"
     prefetch_depth: int = Overlap.prefetch_depth   # stage 3: blocks gathered ahead (zerofunc.overlap)
     bucket_bytes: int = Overlap.bucket_bytes       # gradient reductions in flight before waiting
+    activation_checkpointing: str = "none"         # none, full or selective (zerofunc.recompute)
+    ac_every: int = 2                              # selective: one block in ac_every recomputes
+    offload_optimizer: bool = False                # the optimizer's state and update on the host (stages 1-3)
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -65,6 +69,11 @@ class Plan:
         get_stage(self.stage)
         get_profile(self.hardware)
         self.overlap  # validates
+        self.checkpointing  # validates
+        if self.offload_optimizer and self.stage == 0:
+            raise ValueError("optimizer offload needs ZeRO stage 1, 2 or 3")
+        if self.params is not None and self.checkpointing.on:
+            raise ValueError("a model of --params alone has no blocks to checkpoint")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.params is not None:
@@ -119,10 +128,22 @@ class Plan:
     def overlap(self) -> Overlap:
         return Overlap(self.prefetch_depth, self.bucket_bytes)
 
+    @property
+    def checkpointing(self) -> ActivationCheckpointing:
+        return ActivationCheckpointing(self.activation_checkpointing, self.ac_every)
+
+    @property
+    def levers(self) -> str:
+        """The memory levers in a few words: "AC full + offload", "none"."""
+        on = ([f"AC {self.checkpointing.describe()}"] if self.checkpointing.on else []) + (
+            ["offload"] if self.offload_optimizer else [])
+        return " + ".join(on) or "none"
+
     def zero_config(self) -> Config:
         """The DeepSpeed-style config the trainer runs this plan with (default AdamW, no clipping)."""
         return Config(stage=self.stage, micro_batch=self.micro_batch, train_batch_size=self.micro_batch * self.world_size,
-                      precision=self.precision, overlap=self.overlap)
+                      precision=self.precision, overlap=self.overlap, checkpointing=self.checkpointing,
+                      offload_optimizer=self.offload_optimizer)
 
 
 @dataclass
@@ -135,21 +156,30 @@ class Simulation:
     compute_s: float
     comm_s: float
     overlapped_comm_s: float = 0.0  # the part of comm_s launched asynchronously
+    offload_s: dict = field(default_factory=lambda: {"host": 0.0, "d2h": 0.0, "h2d": 0.0})  # optimizer offload
 
     @property
     def step_s(self) -> float:
-        """Compute plus the communication it cannot hide: the blocking collectives, and
-        whatever of the asynchronous ones outlasts the compute they run behind (at best
-        they hide completely; this is the optimistic bound)."""
+        """Compute plus what it cannot hide, as the trainer overlaps it (the optimistic bound: what
+        runs behind compute hides completely unless it outlasts it):
+        - the blocking collectives;
+        - the asynchronous ones (gradient reductions, prefetched gathers) and, with optimizer
+          offload, the gradients' copies to the host, beyond the compute they run behind;
+        - with offload, the update on the host, while each unit's new weights go up to the
+          device behind the next unit's update: the longer of the two.
+        Recomputation needs no term: the roofline counts the recomputed forward's ops."""
         exposed = self.comm_s - self.overlapped_comm_s
-        return self.compute_s + exposed + max(0.0, self.overlapped_comm_s - self.compute_s)
+        behind = self.overlapped_comm_s + self.offload_s["d2h"]
+        return (self.compute_s + exposed + max(0.0, behind - self.compute_s)
+                + max(self.offload_s["host"], self.offload_s["h2d"]))
 
     @property
     def volume_bytes(self) -> int:
         return sum(e.volume_bytes for e in self.ledger)
 
-    def fits(self, capacity: int) -> bool:
-        return self.memory.peak <= capacity
+    def fits(self, capacity: int, host_capacity: Optional[int] = None) -> bool:
+        """Device memory within `capacity`, and host memory within `host_capacity` (when given)."""
+        return self.memory.peak <= capacity and (host_capacity is None or self.memory.host_peak <= host_capacity)
 
 
 class _ReadsWeightInBackward(torch.autograd.Function):
@@ -193,14 +223,16 @@ def simulate(plan: Plan, timeline: bool = False, timing: bool = True, kernel_cac
                         init=lambda name, shape: None, compile=False)
     batch = () if plan.params is not None else _meta_batch(plan, model)
     roofline = Roofline({k: v * profile.compute_efficiency for k, v in profile.flops.items()},
-                        profile.memory_bandwidth)
+                        profile.memory_bandwidth, host_bytes_per_s=profile.cpu_adamw_params_per_s * ADAMW_BYTES_COUNTED,
+                        link_bytes_per_s=profile.host_link_bandwidth)
     # the kernel cache sits below the instruments: they see every op, each layer's meta kernels run once
     with MetaKernelCache() if kernel_cache else contextlib.nullcontext(), tracker, roofline if timing else contextlib.nullcontext(), TargetAttention(profile.attention):
         train_step(engine, [batch])
     ledger = list(comm.ledger)
     link = profile.link(plan.world_size)
     return Simulation(plan, engine.numel, tracker.report(), ledger, roofline.flops, roofline.time_s,
-                      ledger_time(ledger, link), ledger_time([e for e in ledger if e.overlapped], link))
+                      ledger_time(ledger, link), ledger_time([e for e in ledger if e.overlapped], link),
+                      dict(roofline.elsewhere_s))
 
 
 def _meta_batch(plan: Plan, model: nn.Module) -> tuple[torch.Tensor, ...] | dict[str, torch.Tensor]:
@@ -227,8 +259,8 @@ class MemoryLines:
 
     @classmethod
     def of(cls, one: Simulation, two: Simulation) -> "MemoryLines":
-        t1 = [sum(v) for _, v in one.memory.timeline]
-        t2 = [sum(v) for _, v in two.memory.timeline]
+        t1 = [sum(v) for _, v, _ in one.memory.timeline]
+        t2 = [sum(v) for _, v, _ in two.memory.timeline]
         if len(t1) != len(t2):
             raise RuntimeError("the step's events differ between micro-batches 1 and 2; cannot extrapolate")
         return cls(tuple(2 * a - b for a, b in zip(t1, t2)), tuple(b - a for a, b in zip(t1, t2)))

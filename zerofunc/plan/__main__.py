@@ -1,5 +1,8 @@
 """python -m zerofunc.plan: which ZeRO stage fits, and what a step costs, before renting a GPU.
 
+By default (`--levers auto`) it searches stage x activation checkpointing x optimizer
+offload x micro-batch for the most tokens/s that fits; a lever given on the command line
+is fixed, and `--levers none` plans each stage without levers at the given micro-batch.
 Bad input prints one line, "error: ...", and exits with 2; nothing is written.
 """
 from __future__ import annotations
@@ -13,7 +16,11 @@ from sim.hardware import profiles
 from zerofunc.models import MODELS
 from zerofunc.overlap import Overlap
 from zerofunc.plan import Plan
-from zerofunc.plan.report import GiB, as_json, as_table, plot, report_stages, world_size_candidates
+from zerofunc.plan.report import (GiB, as_json, as_table, lever_configs, lever_costs, plot, recommend, report_stages,
+                                   smallest_fitting, world_size_candidates)
+from zerofunc.recompute import MODES
+
+MAX_AUTO_MICRO_BATCH = 64  # --levers auto without --micro-batch: the largest power of two that fits, up to this
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -30,7 +37,19 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-world-size", type=int, default=4096, help="auto: the most ranks to try (default 4096)")
     p.add_argument("--stage", type=int, action="append", default=None,
                    help="a ZeRO stage to plan (repeatable; default: all four)")
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences per rank")
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help=f"sequences per rank (default: with --levers auto the largest power of two that fits, up to "
+                        f"{MAX_AUTO_MICRO_BATCH}; else 1)")
+    p.add_argument("--levers", choices=("auto", "none"), default="auto",
+                   help="auto: search activation checkpointing and optimizer offload (those not fixed below) and the "
+                        "micro-batch; none: plan each stage with the levers given, off by default")
+    p.add_argument("--activation-checkpointing", choices=MODES, default=None,
+                   help="fix it: recompute every block (full), one in --ac-every (selective), or none")
+    p.add_argument("--ac-every", type=int, default=2, help="selective checkpointing: one block in K (default 2)")
+    p.add_argument("--offload-optimizer", choices=("none", "cpu"), default=None,
+                   help="fix it: cpu keeps the optimizer's state and update on the host (stages 1-3)")
+    p.add_argument("--host-memory", type=float, default=None,
+                   help="host memory per rank in GiB, for offload (default: the hardware's)")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's context)")
     p.add_argument("--precision", default="bf16", help="fp32, bf16 or fp16")
     p.add_argument("--hardware", default="h100-sxm", help=f"one of {', '.join(profiles())}")
@@ -50,20 +69,45 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.gpu_memory is not None and not a.gpu_memory > 0:
             raise ValueError(f"--gpu-memory must be positive, got {a.gpu_memory}")
+        if a.host_memory is not None and not a.host_memory > 0:
+            raise ValueError(f"--host-memory must be positive, got {a.host_memory}")
+        if a.micro_batch is not None and a.micro_batch < 1:
+            raise ValueError(f"micro-batch must be at least 1, got {a.micro_batch}")
         if a.plot is not None and not a.plot.lower().endswith(".png"):
             raise ValueError(f"--plot writes a PNG; give a file name ending in .png, not {a.plot!r}")
         stages = sorted(set(a.stage)) if a.stage else [0, 1, 2, 3]
         sizes, candidates = world_sizes(a.world_size, a.gpus_per_node, a.max_world_size)
+        auto = a.levers == "auto"
         base = Plan(world_size=sizes[0], stage=stages[0], model=None if a.params is not None else a.model,
-                    params=a.params, precision=a.precision, micro_batch=a.micro_batch, seq=a.seq,
+                    params=a.params, precision=a.precision, micro_batch=a.micro_batch or 1, seq=a.seq,
                     hardware=a.hardware, prefetch_depth=a.prefetch_depth,
-                    bucket_bytes=int(a.bucket_mb * 2**20) if a.bucket_mb >= 0 else -1)
-        plans = [replace(base, stage=s, world_size=n) for n in sizes for s in stages]  # each validates its stage
+                    bucket_bytes=int(a.bucket_mb * 2**20) if a.bucket_mb >= 0 else -1,
+                    activation_checkpointing=a.activation_checkpointing or "none", ac_every=a.ac_every,
+                    offload_optimizer=a.offload_optimizer == "cpu")
+        blocks = a.params is None  # a model of --params alone has no blocks to checkpoint
+        checkpointing = ([a.activation_checkpointing] if a.activation_checkpointing or not (auto and blocks)
+                         else ["none", "full", "selective"]) if blocks else ["none"]
+        offload = [a.offload_optimizer == "cpu"] if a.offload_optimizer or not auto else [False, True]
+        if a.offload_optimizer == "cpu" and stages == [0]:
+            raise ValueError("optimizer offload needs ZeRO stage 1, 2 or 3")
+        configs = lever_configs(base, stages, checkpointing, offload)  # each validates its stage and levers
+        plans = [replace(c, world_size=n) for n in sizes for c in configs]
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     capacity = int(a.gpu_memory * GiB) if a.gpu_memory is not None else base.profile.usable_bytes
-    reports = report_stages(plans, capacity, timeline=a.plot is not None, candidates=candidates)
+    host = int(a.host_memory * GiB) if a.host_memory is not None else base.profile.host_memory_bytes
+    cap = MAX_AUTO_MICRO_BATCH if auto and a.micro_batch is None and blocks else None
+    if auto and candidates is not None:
+        # the fewest ranks any configuration fits on is where the most frugal one does; there, every one
+        frugal = max(configs, key=lambda c: (c.stage, c.checkpointing.mode == "full", c.offload_optimizer))
+        n = smallest_fitting(frugal, capacity, candidates, host, cap)
+        plans = [replace(c, world_size=n.sim.plan.world_size) for c in configs]
+        reports = [replace(r, beyond=n.beyond) for r in report_stages(plans, capacity, a.plot is not None, None, host, cap)]
+    else:
+        reports = report_stages(plans, capacity, a.plot is not None, candidates, host, cap)
+    best = recommend(reports)
+    costs = lever_costs(best) if auto and best is not None else []
     if a.plot is not None:
         try:
             plot(reports, a.plot)
@@ -76,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         ranks = f"ranks: auto, the fewest that fit ({tried})"
     else:
         ranks = f"{sizes[0]} ranks" if len(sizes) == 1 else f"ranks: {', '.join(map(str, sizes))}"
-    print(json.dumps(as_json(base, reports, capacity), indent=2) if a.json else as_table(base, reports, capacity, ranks))
+    print(json.dumps(as_json(base, reports, capacity, costs), indent=2) if a.json else
+          as_table(base, reports, capacity, ranks, costs, order=auto, micro_batch_auto=cap is not None))
     return 0
 
 
