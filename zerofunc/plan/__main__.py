@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                     activation_checkpointing=a.activation_checkpointing or "none", ac_every=a.ac_every,
                     offload_optimizer=a.offload_optimizer == "cpu")
         blocks = a.params is None  # a model of --params alone has no blocks to checkpoint
-        checkpointing = ([a.activation_checkpointing] if a.activation_checkpointing or not (auto and blocks)
+        checkpointing = ([a.activation_checkpointing or "none"] if a.activation_checkpointing or not auto
                          else ["none", "full", "selective"]) if blocks else ["none"]
         offload = [a.offload_optimizer == "cpu"] if a.offload_optimizer or not auto else [False, True]
         if a.offload_optimizer == "cpu" and stages == [0]:
