@@ -122,7 +122,6 @@ class ZeroEngine:
         self._anchor = torch.empty(0, device=self.device, requires_grad=True)
         self._root = next((u for u in self.units if u.name == ""), None)  # parameters outside any block
         self.gathering = UnitGathering(self.units, stage, comm, overlap, self.memory)
-        self.checkpointing = checkpointing
         if checkpointing.on and not self.gathering.blocks:
             raise ValueError("activation checkpointing recomputes blocks, and this model has none: give unit_names")
         for i, unit in enumerate(self.gathering.blocks):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch

@@ -16,8 +16,9 @@ from sim.hardware import profiles
 from zerofunc.models import MODELS
 from zerofunc.overlap import Overlap
 from zerofunc.plan import Plan
-from zerofunc.plan.report import (GiB, as_json, as_table, lever_configs, lever_costs, plot, recommend, report_stages,
-                                   smallest_fitting, world_size_candidates)
+from zerofunc.plan.plot import plot
+from zerofunc.plan.report import (GiB, as_json, as_table, lever_configs, lever_costs, recommend, report_stages,
+                                  smallest_fitting, world_size_candidates)
 from zerofunc.recompute import MODES
 
 MAX_AUTO_MICRO_BATCH = 64  # --levers auto without --micro-batch: the largest power of two that fits, up to this
