@@ -34,6 +34,7 @@ from torch.func import functional_call
 from zerofunc.comm import Communicator
 from zerofunc.gather import UnitGathering
 from zerofunc.layout import shard
+from zerofunc.lm_head import LinearCrossEntropy
 from zerofunc.loss_scale import LossScaler
 from zerofunc.offload import OptimizerOffload
 from zerofunc.optim import AdamWConfig
@@ -135,6 +136,8 @@ class ZeroEngine:
             if checkpointing.recomputes(i):
                 unit.module.forward = checkpointed(unit.module.forward, lambda u=unit: u.bound is not None,
                                                    lambda u=unit: self._recomputing(u))
+        for head in (m for m in model.modules() if isinstance(m, LinearCrossEntropy)):
+            head.recompute = checkpointing.on  # the output head's logits, recomputed chunk by chunk
 
     # ---- forward -----------------------------------------------------------------
     def __call__(self, *args, **kwargs):

@@ -17,6 +17,11 @@ models seed dropout by sample and need no RNG state at all). Autograd still walk
 original graph, so each unit's gradient reaches the engine exactly as without
 checkpointing, and training is bit for bit the same in fp32.
 
+The output head is not a block, but it keeps the largest activations of all: the logits and
+their softmax, vocabulary-wide per token. A model whose loss is `zerofunc.lm_head.LinearCrossEntropy`
+(zerofunc's GPT-2 and Llama are) recomputes its logits chunk by chunk whenever checkpointing is
+on, full or selective; other models keep their head as they compute it.
+
 A recomputed block's weights must be bound again (the engine binds a block's views only
 while its forward runs), and under stage 3 gathered again: the engine's `recompute`
 callback does both, marks the time in the memory timeline, and leaves the unit gathered

@@ -14,6 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from zerofunc.lm_head import LinearCrossEntropy, tied_embedding
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -126,6 +128,7 @@ class GPT(nn.Module):
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.h = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.loss = LinearCrossEntropy()  # the head's logits and loss, chunk by chunk
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 sample_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -136,14 +139,15 @@ class GPT(nn.Module):
         T = idx.shape[1]
         if T > self.cfg.block_size:
             raise ValueError(f"sequence of {T} tokens exceeds the context of {self.cfg.block_size}")
-        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        x, head = tied_embedding(idx, self.wte.weight)  # the head's weight is the embedding's
+        x = x + self.wpe(torch.arange(T, device=idx.device))
         x = sample_dropout(x, self.cfg.dropout, sample_ids, 0, self.training)
         for block in self.h:
             x = block(x, sample_ids)
-        logits = F.linear(self.ln_f(x), self.wte.weight)
+        x = self.ln_f(x)
         if targets is None:
-            return logits
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())  # the loss in fp32 whatever the compute dtype
+            return F.linear(x, head)
+        return self.loss(x, head, targets)  # in fp32 whatever the compute dtype
 
     def shard_units(self) -> list[str]:
         """Submodules that stage 3 gathers one at a time: the transformer blocks."""

@@ -23,6 +23,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from zerofunc.lm_head import LinearCrossEntropy, tied_embedding
+
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -218,6 +220,7 @@ class Llama(nn.Module):
         self.model = Decoder(cfg)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.loss = LinearCrossEntropy()  # the head's logits and loss, chunk by chunk
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 sample_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -228,15 +231,17 @@ class Llama(nn.Module):
         T = idx.shape[1]
         if T > self.cfg.block_size:
             raise ValueError(f"sequence of {T} tokens exceeds the context of {self.cfg.block_size}")
-        x = self.model.embed_tokens(idx)
+        if self.cfg.tie_word_embeddings:  # the head's weight is the embedding's
+            x, head = tied_embedding(idx, self.model.embed_tokens.weight)
+        else:
+            x, head = self.model.embed_tokens(idx), self.lm_head.weight
         cos, sin = rotary(self.inv_freq, T, x.device, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin)
         x = self.model.norm(x)
-        logits = F.linear(x, self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight)
         if targets is None:
-            return logits
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+            return F.linear(x, head)
+        return self.loss(x, head, targets)
 
     def shard_units(self) -> list[str]:
         """Submodules that stage 3 gathers one at a time: the decoder layers."""

@@ -1,0 +1,90 @@
+"""The output head as one op: chunked linear + cross-entropy, with and without recomputation,
+and the tied embedding, against plain PyTorch computed in float64 in the same test."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zerofunc.lm_head import IGNORE_INDEX, LinearCrossEntropy, chunk_rows, tied_embedding
+
+SETTINGS = settings(max_examples=40, deadline=None, derandomize=True)
+
+
+@st.composite
+def heads(draw):
+    """Token counts that rarely divide the chunk size, vocabularies up to 7 chunks wide, some ignored targets."""
+    hidden = draw(st.integers(1, 6))
+    vocab = draw(st.integers(2, 16 * hidden * 7))
+    tokens = draw(st.integers(1, 40))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    h = torch.randn(tokens, hidden, generator=gen, dtype=torch.float64)
+    w = torch.randn(vocab, hidden, generator=gen, dtype=torch.float64)
+    t = torch.randint(0, vocab, (tokens,), generator=gen)
+    ignored = torch.rand(tokens, generator=gen) < draw(st.sampled_from([0.0, 0.3]))
+    if ignored.all():
+        ignored[0] = False
+    t[ignored] = IGNORE_INDEX
+    return h, w, t, draw(st.floats(0.25, 4.0))
+
+
+def grads(loss_fn, h, w, scale):
+    h, w = h.detach().requires_grad_(), w.detach().requires_grad_()
+    loss = loss_fn(h, w)
+    (loss * scale).backward()
+    return loss.detach(), h.grad, w.grad
+
+
+@SETTINGS
+@given(heads(), st.booleans())
+def test_loss_and_gradients_equal_torch_cross_entropy(head, recompute):
+    h, w, t, scale = head
+    op = LinearCrossEntropy()
+    op.recompute = recompute
+    ours = grads(lambda h, w: op(h.float(), w.float(), t), h, w, scale)
+    ref = grads(lambda h, w: F.cross_entropy(F.linear(h, w), t, ignore_index=IGNORE_INDEX), h, w, scale)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # evaluation takes the same loss
+        torch.testing.assert_close(op(h.float(), w.float(), t), ours[0], rtol=0, atol=0)
+
+
+@SETTINGS
+@given(heads())
+def test_recomputing_the_head_is_bit_for_bit_keeping_it(head):
+    h, w, t, scale = head
+    runs = []
+    for recompute in (False, True):
+        op = LinearCrossEntropy()
+        op.recompute = recompute
+        runs.append(grads(lambda h, w: op(h.float(), w.float(), t), h, w, scale))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("tokens,vocab,hidden,chunks", [(1024, 50257, 768, 5), (7, 100, 4, 2), (3, 10, 4, 1),
+                                                         (5, 1000, 1, 5)])
+def test_the_vocabulary_sets_the_chunk_count(tokens, vocab, hidden, chunks):
+    rows = chunk_rows(tokens, vocab, hidden)
+    assert -(-tokens // rows) == chunks
+
+
+@SETTINGS
+@given(heads(), st.booleans())
+def test_a_tied_embedding_gets_both_gradients(head, use_head):
+    h, w, t, scale = head
+    idx = t.clamp(min=0).view(-1, 1)[: max(1, len(t) // 2)]
+
+    def loss_fn(tied):
+        def run(h, w):
+            x, head_w = tied(idx, w)
+            out = (x.sin() * h[: len(idx)].unsqueeze(1)).sum()
+            return out + F.linear(h, head_w).square().mean() if use_head else out
+        return run
+
+    ours = grads(loss_fn(tied_embedding), h, w, scale)
+    ref = grads(loss_fn(lambda idx, w: (F.embedding(idx, w), w)), h, w, scale)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

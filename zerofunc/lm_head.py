@@ -1,0 +1,139 @@
+"""A language model's output head: its logits and loss as one op, and an embedding tied to it.
+
+`LinearCrossEntropy`: the last matmul makes one logit per vocabulary entry per token, and
+the loss then keeps a log-softmax of the same size: for gpt2-small at 4 x 256 tokens in
+fp32 that is 2 x 196 MiB, more than all twelve blocks keep once they are checkpointed.
+Here the tokens are cut into chunks; each chunk's logits exist only while its loss and
+gradient (softmax minus one-hot, in fp32) are computed, and what backward needs is either:
+
+- that gradient, kept from forward for every chunk (`recompute=False`): the size of one
+  fp32 log-softmax and no extra compute, or
+- nothing but the head's input (`recompute=True`, set by the engine when activation
+  checkpointing is on): backward computes each chunk's logits and gradient again.
+
+Both paths run the same ops on the same operands, so a model trains bit for bit the same
+either way. Chunks are as many as the vocabulary is wider than 16 hidden states, so a chunk's
+fp32 logits weigh no more than 16 hidden states per token: about one block's activations.
+The weight is saved through autograd, so under stage 3 the engine's saved-tensor hooks
+gather it again when backward needs it, as they do for any matmul.
+
+`tied_embedding`: a token embedding whose weight is also the head's. Used twice, the weight
+would get two vocabulary-sized gradients, the embedding's almost all zeros, and autograd
+would add them. Instead the embedding hands the head its weight, receives the head's
+gradient in its own backward, and adds its few rows into it.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+IGNORE_INDEX = -100  # torch's and Hugging Face's: targets equal to it are not counted
+
+
+def chunk_rows(tokens: int, vocab: int, hidden: int) -> int:
+    """Tokens per chunk: the vocabulary's width in units of 16 hidden states gives the chunk count."""
+    chunks = max(1, math.ceil(vocab / (16 * hidden)))
+    return max(1, math.ceil(tokens / chunks))
+
+
+def _chunk_loss_and_grad(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,
+                         with_grad: bool = True):
+    """One chunk's summed loss, and d(summed loss)/d(logits) in fp32 (None unless `with_grad`)."""
+    z = nn.functional.linear(h, weight).float()  # the loss in fp32 whatever the compute dtype
+    lse = torch.logsumexp(z, dim=-1)
+    picked = z.gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1)
+    loss = ((lse - picked) * valid).sum()
+    if not with_grad:
+        return loss, None
+    grad = z.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place of the logits
+    grad.scatter_add_(1, targets.clamp(min=0).unsqueeze(1), -valid.unsqueeze(1))
+    return loss, grad.mul_(valid.unsqueeze(1))
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, targets, rows, recompute):
+        valid = (targets != IGNORE_INDEX).float()
+        count = valid.sum()
+        loss, kept = torch.zeros((), dtype=torch.float32, device=h.device), []
+        for s in range(0, h.shape[0], rows):
+            part, grad = _chunk_loss_and_grad(h[s:s + rows], weight, targets[s:s + rows], valid[s:s + rows],
+                                              with_grad=not recompute)
+            loss = loss + part
+            if grad is not None:
+                kept.append(grad)
+            del grad
+        ctx.rows, ctx.kept = rows, kept
+        ctx.save_for_backward(h, weight, targets, valid, count)
+        return loss / count
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        h, weight, targets, valid, count = ctx.saved_tensors
+        scale = grad_out / count
+        grad_h = h.new_empty(h.shape) if ctx.needs_input_grad[0] else None
+        grad_w = None
+        for i, s in enumerate(range(0, h.shape[0], ctx.rows)):
+            e = s + ctx.rows
+            if ctx.kept:
+                grad, ctx.kept[i] = ctx.kept[i], None  # each kept chunk is freed once used
+            else:
+                grad = _chunk_loss_and_grad(h[s:e], weight, targets[s:e], valid[s:e])[1]
+            d = grad.mul_(scale).to(weight.dtype)
+            del grad
+            if grad_h is not None:
+                torch.mm(d, weight, out=grad_h[s:e])
+            if ctx.needs_input_grad[1]:
+                grad_w = d.t() @ h[s:e] if grad_w is None else grad_w.addmm_(d.t(), h[s:e])
+        return grad_h, grad_w, None, None, None
+
+
+class LinearCrossEntropy(nn.Module):
+    """`F.cross_entropy(F.linear(hidden, weight).float(), targets)` (mean over counted tokens),
+    computed chunk by chunk; with `recompute` on, backward recomputes the logits instead of
+    keeping the gradient. It has no parameters: the weight is passed in, so a head tied to the
+    embedding stays tied."""
+
+    def __init__(self):
+        super().__init__()
+        self.recompute = False
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h, t = hidden.flatten(0, -2), targets.flatten()
+        rows = chunk_rows(h.shape[0], weight.shape[0], weight.shape[1])
+        if not (torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)):
+            with torch.no_grad():  # evaluation: the loss alone, one chunk at a time
+                valid = (t != IGNORE_INDEX).float()
+                return sum(_chunk_loss_and_grad(h[s:s + rows], weight, t[s:s + rows], valid[s:s + rows], False)[0]
+                           for s in range(0, h.shape[0], rows)) / valid.sum()
+        return _LinearCrossEntropy.apply(h, weight, t, rows, self.recompute)
+
+    def extra_repr(self) -> str:
+        return f"recompute={self.recompute}"
+
+
+class _TiedEmbedding(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, idx, weight):
+        ctx.save_for_backward(idx)
+        ctx.weight_shape = weight.shape
+        return nn.functional.embedding(idx, weight), weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad_embedded, grad_weight):
+        (idx,) = ctx.saved_tensors
+        if grad_weight is None:  # the head was not used
+            grad_weight = grad_embedded.new_zeros(ctx.weight_shape)
+        if grad_embedded is None:
+            return None, grad_weight
+        # In place: the head's gradient is a fresh product (a matmul's, or autograd's sum of several)
+        # that nothing else holds. accumulate=True is deterministic on CUDA too (sorted), unlike index_add_.
+        return None, grad_weight.index_put_((idx.flatten(),), grad_embedded.flatten(0, -2), accumulate=True)
+
+
+def tied_embedding(idx: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(F.embedding(idx, weight), weight)`, where the head must use the returned weight: its
+    gradient then takes the embedding's rows in place."""
+    return _TiedEmbedding.apply(idx, weight)
