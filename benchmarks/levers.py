@@ -8,6 +8,8 @@
    each lever on, against none: median step time (ratio to none), the activation peak and
    the device and host peaks the memory tracker measured on the real tensors, and the
    planner's activation peak for the same plan.
+3. The output head alone (gpt2-small's, at the same tokens): `F.cross_entropy(F.linear(h, w))`
+   against zerofunc's chunked `LinearCrossEntropy`, keeping its gradient and recomputing it.
 
     python benchmarks/levers.py [--numel 16777216] [--model gpt2-small] [--micro-batch 4] [--seq 256] [--steps 3]
 """
@@ -20,11 +22,13 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from sim.memory import MemoryTracker
 from zerofunc.comm import DistCommunicator
 from zerofunc.engine import ZeroEngine
 from zerofunc.fused import adamw_reference_
+from zerofunc.lm_head import LinearCrossEntropy
 from zerofunc.models import build_model, model_config
 from zerofunc.offload import OptimizerOffload
 from zerofunc.optim import AdamWConfig
@@ -125,6 +129,26 @@ def lever_costs(model_name: str, micro_batch: int, seq: int, steps: int) -> None
         del engine, model
 
 
+def head_costs(model_name: str, micro_batch: int, seq: int, iters: int) -> None:
+    cfg = model_config(model_name)
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(micro_batch * seq, cfg.n_embd, generator=gen).requires_grad_()
+    w = (torch.randn(cfg.vocab_size, cfg.n_embd, generator=gen) * 0.02).requires_grad_()
+    t = torch.randint(0, cfg.vocab_size, (micro_batch * seq,), generator=gen)
+    heads = {}
+    for recompute in (False, True):
+        heads[recompute] = LinearCrossEntropy()
+        heads[recompute].recompute = recompute
+    rows = [("F.cross_entropy(F.linear(h, w).float(), t)",
+             median_s(lambda: F.cross_entropy(F.linear(h, w).float(), t).backward(), iters)),
+            ("LinearCrossEntropy, keeping its gradient", median_s(lambda: heads[False](h, w, t).backward(), iters)),
+            ("LinearCrossEntropy, recomputing", median_s(lambda: heads[True](h, w, t).backward(), iters))]
+    print(f"\n{model_name}'s output head alone, fp32, {micro_batch * seq} tokens, forward + backward, median of {iters}")
+    print(f"{'head':<48} {'ms':>8} {'vs torch':>9}")
+    for name, s in rows:
+        print(f"{name:<48} {s * 1e3:>8.1f} {s / rows[0][1]:>8.2f}x")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--numel", type=int, default=2**24)
@@ -137,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     adamw_rates(a.numel, a.iters)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     lever_costs(a.model, a.micro_batch, a.seq, a.steps)
+    head_costs(a.model, a.micro_batch, a.seq, 5)
     return 0
 
 

@@ -14,6 +14,14 @@ with `track(..., host=True)`. The peak is the device's; the host has its own.
 
 It counts tensor bytes, not allocator blocks: no caching-allocator rounding or
 fragmentation, and no workspace a kernel allocates internally.
+
+Looking changes one thing it looks at. A storage's Python object, once made, holds a
+reference to the storage for as long as it lives, so autograd never finds that it holds
+the last reference to a gradient and never adds the next gradient into it in place (its
+InputBuffer): it allocates the sum. Where one tensor gets two large gradients, a run
+without the tracker peaks lower than tracked (the planner errs high). zerofunc's models
+avoid the one large case, a tied embedding's (zerofunc/lm_head.py); a residual stream's
+is one activation-sized tensor.
 """
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ from zerofunc.api import initialize
 from zerofunc.comm import DistCommunicator
 from zerofunc.config import Config
 from zerofunc.models import GPT, GPTConfig
+from zerofunc.recompute import ActivationCheckpointing
 from zerofunc.stages import STAGES
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -59,11 +60,12 @@ def _plain_losses(device: torch.device, precision: str) -> list[float]:
     return losses
 
 
-def _engine_losses(device: torch.device, stage: int, precision: str) -> list[float]:
+def _engine_losses(device: torch.device, stage: int, precision: str,
+                   checkpointing: ActivationCheckpointing = ActivationCheckpointing(), offload: bool = False) -> list[float]:
     with torch.device("meta"):
         model = GPT(CFG)
     config = Config(stage=stage, micro_batch=MICRO_BATCH, train_batch_size=MICRO_BATCH, precision=precision,
-                    optimizer=OPTIM)
+                    optimizer=OPTIM, checkpointing=checkpointing, offload_optimizer=offload)
     engine = initialize(model, config, device=device, comm=DistCommunicator(), compile=False,
                         init=lambda name, shape: model.init_param(name, shape, SEED))
     losses = []
@@ -89,11 +91,35 @@ def stages_against_plain(device_type: str = "cuda") -> dict:
     return out
 
 
+def levers_against_plain(device_type: str = "cuda") -> dict:
+    """Per precision, stage and levers (full checkpointing, optimizer offload to pinned host memory,
+    both), the largest relative loss difference from the plain loop."""
+    if device_type == "cuda":
+        torch.cuda.set_device(0)
+    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+    out = {}
+    for precision in ("fp32", "bf16"):
+        plain = _plain_losses(device, precision)
+        for stage in (1, 2, 3):
+            for ac, offload in (("full", False), ("none", True), ("full", True)):
+                ours = _engine_losses(device, stage, precision, ActivationCheckpointing(ac), offload)
+                out[(precision, stage, ac, offload)] = max(abs(a - b) / abs(b) for a, b in zip(ours, plain))
+    return out
+
+
 def test_every_stage_on_one_nccl_rank_trains_like_a_plain_loop():
     errors = in_world(1, stages_against_plain, backend="nccl")[0]
     for (precision, stage), err in errors.items():
         tol = 1e-5 if precision == "fp32" else BF16_TOL
         assert err <= tol, f"{precision} stage {stage}: losses differ from the plain loop by {err:.2e} > {tol}"
+
+
+def test_the_memory_levers_on_one_nccl_rank_train_like_a_plain_loop():
+    errors = in_world(1, levers_against_plain, backend="nccl")[0]
+    for (precision, stage, ac, offload), err in errors.items():
+        tol = 1e-5 if precision == "fp32" else BF16_TOL
+        assert err <= tol, (f"{precision} stage {stage}, checkpointing {ac}, offload {offload}: losses differ "
+                            f"from the plain loop by {err:.2e} > {tol}")
 
 
 @pytest.mark.parametrize("compile", [False, True])
