@@ -77,49 +77,37 @@ def _engine_losses(device: torch.device, stage: int, precision: str,
     return losses
 
 
-def stages_against_plain(device_type: str = "cuda") -> dict:
-    """Per precision and stage, the largest relative loss difference from the plain loop over STEPS steps."""
+LEVERS = [(stage, ac, offload) for stage in (1, 2, 3) for ac, offload in (("full", False), ("none", True), ("full", True))]
+
+
+def against_plain(device_type: str = "cuda", cells=tuple((stage, "none", False) for stage in STAGES)) -> dict:
+    """Per precision and cell (stage, activation checkpointing, optimizer offload), the largest
+    relative loss difference from the plain loop over STEPS steps."""
     if device_type == "cuda":
         torch.cuda.set_device(0)
     device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
     out = {}
     for precision in ("fp32", "bf16"):
         plain = _plain_losses(device, precision)
-        for stage in STAGES:
-            ours = _engine_losses(device, stage, precision)
-            out[(precision, stage)] = max(abs(a - b) / abs(b) for a, b in zip(ours, plain))
+        for stage, ac, offload in cells:
+            ours = _engine_losses(device, stage, precision, ActivationCheckpointing(ac), offload)
+            out[(precision, stage, ac, offload)] = max(abs(a - b) / abs(b) for a, b in zip(ours, plain))
     return out
 
 
-def levers_against_plain(device_type: str = "cuda") -> dict:
-    """Per precision, stage and levers (full checkpointing, optimizer offload to pinned host memory,
-    both), the largest relative loss difference from the plain loop."""
-    if device_type == "cuda":
-        torch.cuda.set_device(0)
-    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
-    out = {}
-    for precision in ("fp32", "bf16"):
-        plain = _plain_losses(device, precision)
-        for stage in (1, 2, 3):
-            for ac, offload in (("full", False), ("none", True), ("full", True)):
-                ours = _engine_losses(device, stage, precision, ActivationCheckpointing(ac), offload)
-                out[(precision, stage, ac, offload)] = max(abs(a - b) / abs(b) for a, b in zip(ours, plain))
-    return out
-
-
-def test_every_stage_on_one_nccl_rank_trains_like_a_plain_loop():
-    errors = in_world(1, stages_against_plain, backend="nccl")[0]
-    for (precision, stage), err in errors.items():
-        tol = 1e-5 if precision == "fp32" else BF16_TOL
-        assert err <= tol, f"{precision} stage {stage}: losses differ from the plain loop by {err:.2e} > {tol}"
-
-
-def test_the_memory_levers_on_one_nccl_rank_train_like_a_plain_loop():
-    errors = in_world(1, levers_against_plain, backend="nccl")[0]
+def _assert_close_to_plain(errors: dict) -> None:
     for (precision, stage, ac, offload), err in errors.items():
         tol = 1e-5 if precision == "fp32" else BF16_TOL
         assert err <= tol, (f"{precision} stage {stage}, checkpointing {ac}, offload {offload}: losses differ "
                             f"from the plain loop by {err:.2e} > {tol}")
+
+
+def test_every_stage_on_one_nccl_rank_trains_like_a_plain_loop():
+    _assert_close_to_plain(in_world(1, against_plain, backend="nccl")[0])
+
+
+def test_the_memory_levers_on_one_nccl_rank_train_like_a_plain_loop():
+    _assert_close_to_plain(in_world(1, against_plain, "cuda", LEVERS, backend="nccl")[0])
 
 
 @pytest.mark.parametrize("compile", [False, True])
