@@ -13,7 +13,9 @@ gradient (softmax minus one-hot, in fp32) are computed, and what backward needs 
 
 Both paths run the same ops on the same operands, so a model trains bit for bit the same
 either way. Chunks are as many as the vocabulary is wider than 16 hidden states, so a chunk's
-fp32 logits weigh no more than 16 hidden states per token: about one block's activations.
+fp32 logits weigh no more than 16 hidden states per token of the batch: about what one
+block keeps. Smaller chunks would save little beside the blocks, and each chunk adds into
+the vocabulary-sized weight gradient once, so more of them cost memory traffic.
 The weight is saved through autograd, so under stage 3 the engine's saved-tensor hooks
 gather it again when backward needs it, as they do for any matmul.
 
