@@ -54,20 +54,24 @@ def _chunk_loss_and_grad(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
     return loss, grad.mul_(valid.unsqueeze(1))
 
 
+def _forward_chunks(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, rows: int,
+                    keep: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The loss summed over every chunk, and each chunk's logit gradient if `keep`."""
+    loss, kept = torch.zeros((), dtype=torch.float32, device=h.device), []
+    for s in range(0, h.shape[0], rows):
+        part, grad = _chunk_loss_and_grad(h[s:s + rows], weight, targets[s:s + rows], valid[s:s + rows], keep)
+        loss = loss + part
+        if keep:
+            kept.append(grad)
+    return loss, kept
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, targets, rows, recompute):
-        valid = (targets != IGNORE_INDEX).float()
+    def forward(ctx, h, weight, targets, valid, rows, recompute):
         count = valid.sum()
-        loss, kept = torch.zeros((), dtype=torch.float32, device=h.device), []
-        for s in range(0, h.shape[0], rows):
-            part, grad = _chunk_loss_and_grad(h[s:s + rows], weight, targets[s:s + rows], valid[s:s + rows],
-                                              with_grad=not recompute)
-            loss = loss + part
-            if grad is not None:
-                kept.append(grad)
-            del grad
-        ctx.rows, ctx.kept = rows, kept
+        loss, ctx.kept = _forward_chunks(h, weight, targets, valid, rows, keep=not recompute)
+        ctx.rows = rows
         ctx.save_for_backward(h, weight, targets, valid, count)
         return loss / count
 
@@ -89,7 +93,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 torch.mm(d, weight, out=grad_h[s:e])
             if ctx.needs_input_grad[1]:
                 grad_w = d.t() @ h[s:e] if grad_w is None else grad_w.addmm_(d.t(), h[s:e])
-        return grad_h, grad_w, None, None, None
+        return grad_h, grad_w, None, None, None, None
 
 
 class LinearCrossEntropy(nn.Module):
@@ -104,13 +108,12 @@ class LinearCrossEntropy(nn.Module):
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         h, t = hidden.flatten(0, -2), targets.flatten()
+        valid = (t != IGNORE_INDEX).float()
         rows = chunk_rows(h.shape[0], weight.shape[0], weight.shape[1])
         if not (torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)):
-            with torch.no_grad():  # evaluation: the loss alone, one chunk at a time
-                valid = (t != IGNORE_INDEX).float()
-                return sum(_chunk_loss_and_grad(h[s:s + rows], weight, t[s:s + rows], valid[s:s + rows], False)[0]
-                           for s in range(0, h.shape[0], rows)) / valid.sum()
-        return _LinearCrossEntropy.apply(h, weight, t, rows, self.recompute)
+            with torch.no_grad():  # evaluation: the loss alone
+                return _forward_chunks(h, weight, t, valid, rows, keep=False)[0] / valid.sum()
+        return _LinearCrossEntropy.apply(h, weight, t, valid, rows, self.recompute)
 
     def extra_repr(self) -> str:
         return f"recompute={self.recompute}"
