@@ -87,9 +87,19 @@ def corrupt(run: Path) -> None:
     shard.write_bytes(shard.read_bytes()[:200])
 
 
+def flip_a_byte(run: Path) -> None:
+    """One bit of one weight changes: the file is still a valid safetensors file."""
+    step = run / "checkpoints" / (run / "checkpoints" / "latest").read_text()
+    shard = step / "rank-00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0x40
+    shard.write_bytes(bytes(data))
+
+
 @pytest.mark.parametrize("damage, message", [
     (None, "no checkpoint at"),
     (corrupt, "is corrupt"),
+    (flip_a_byte, "rank-00001.safetensors does not match the checksum"),
     (lambda run: (run / "checkpoints" / "latest").write_text("step-00000099"), "not a complete checkpoint"),
 ])
 def test_bad_resume_is_one_line(tmp_path, capsys, damage, message):
@@ -110,6 +120,17 @@ def test_resume_with_another_model_is_refused(tmp_path, capsys):
     assert main(["--model", "gpt2-small", "--seq", "32", "--micro-batch", "1", "--steps", "2", "--resume",
                  "--out", str(run)]) == 2
     assert "holds a different model" in capsys.readouterr().err
+
+
+def test_consolidate_refuses_a_changed_file(tmp_path, capsys):
+    run, out = tmp_path / "run", tmp_path / "model.safetensors"
+    assert main(SMALL + ["--stage", "2", "--steps", "1", "--save-every", "1", "--out", str(run)]) == 0
+    flip_a_byte(run)
+    capsys.readouterr()
+    assert consolidate([str(run), str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "rank-00001.safetensors does not match the checksum" in err and "\n" not in err
+    assert not out.exists()
 
 
 def test_consolidate_command_line_errors(tmp_path):

@@ -8,7 +8,9 @@ Layout under a run directory:
 
 A save writes into a temporary directory, renames it into place, and only then
 replaces `latest` (both renames are atomic), so a run killed mid-save still resumes
-from the previous checkpoint.
+from the previous checkpoint. The manifest holds each shard file's SHA-256, and
+`verify` (before a resume) and `consolidated` check them: a flipped byte in a file is an
+error that names it, never silently different weights.
 
 Resharding works because a unit's parameters sit in the same order at every world
 size and stage; only the padding and the shard boundaries move. A loading rank reads,
@@ -16,6 +18,7 @@ from each saved shard, just the elements of the span it now owns.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -48,6 +51,14 @@ def _owned_span(engine: ZeroEngine, unit) -> tuple[int, int]:
     return 0, unit.layout.padded_numel
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def save(engine: ZeroEngine, run_dir: str | Path, step: int, extra: Optional[dict] = None) -> Path:
     """Save the engine's state as of training step `step`; collective over all ranks."""
     root = Path(run_dir) / "checkpoints"
@@ -58,19 +69,23 @@ def save(engine: ZeroEngine, run_dir: str | Path, step: int, extra: Optional[dic
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
+    digest = None
     if engine.stage.shard_optimizer or rank == 0:  # stage 0: every rank holds the same state
         tensors = {}
         for i, unit in enumerate(engine.units):
             for kind in ("master", "m", "v"):
                 tensors[f"{i}.{kind}"] = getattr(unit, kind).detach().cpu().contiguous()
         save_file(tensors, str(tmp / _rank_file(rank)))
-    dist.barrier()
+        digest = _sha256(tmp / _rank_file(rank))  # each rank hashes its own file, in parallel
+    digests = [None] * world
+    dist.all_gather_object(digests, digest)
     if rank == 0:
         opt = engine.optimizer
         manifest = {
             "format": FORMAT, "step": step, "optimizer_steps": engine.optimizer.step_count, "world_size": world,
             "stage": engine.stage.level,
             "files": [_rank_file(r) for r in (range(world) if engine.stage.shard_optimizer else [0])],
+            "sha256": {_rank_file(r): d for r, d in enumerate(digests) if d is not None},
             "units": [{"name": u.name, "numel": u.layout.numel, "padded_numel": u.layout.padded_numel,
                        "params": [[s.name, list(s.shape)] for s in u.layout.slots]} for u in engine.units],
             "loss_scaler": opt.loss_scaler.state_dict() if opt.loss_scaler else None,
@@ -114,6 +129,15 @@ def read_manifest(ckpt: Path) -> dict:
     return manifest
 
 
+def _check_files(ckpt: Path, manifest: dict) -> None:
+    """Every shard file against the checksum the save recorded (checkpoints from before checksums
+    have none to check)."""
+    for f, expected in manifest.get("sha256", {}).items():
+        if _sha256(ckpt / f) != expected:
+            raise CheckpointError(f"checkpoint {ckpt}: {f} does not match the checksum saved with it "
+                                  f"(the file changed after the save)")
+
+
 def verify(path: str | Path, units: list[list]) -> dict:
     """Check a checkpoint before any rank starts: its manifest, every shard's header, and that
     its parameters are `units` (per unit, [name, shape] pairs). Returns the manifest."""
@@ -130,6 +154,7 @@ def verify(path: str | Path, units: list[list]) -> dict:
             if sizes != {hi - lo}:
                 raise CheckpointError(f"checkpoint {ckpt}: {f} holds {sorted(sizes)} elements of unit {i}, "
                                       f"expected {hi - lo}")
+    _check_files(ckpt, manifest)  # whole files, after the headers have said what is wrong in the usual case
     return manifest
 
 
@@ -183,6 +208,7 @@ def consolidated(path: str | Path) -> dict[str, torch.Tensor]:
     """Every parameter, whole, in fp32, from a checkpoint's masters (no process group needed)."""
     ckpt = resolve(path)
     manifest = read_manifest(ckpt)
+    _check_files(ckpt, manifest)
     handles = {f: safe_open(str(ckpt / f), framework="pt") for f in manifest["files"]}
     out = {}
     for i, unit in enumerate(manifest["units"]):
