@@ -6,6 +6,7 @@ Without a file, the flags (or their defaults) make the whole config.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from dataclasses import replace
@@ -13,6 +14,7 @@ from dataclasses import replace
 import torch
 
 from train.data import DataError, load_tokens
+from train.lock import LockError, RunLock
 from train.loop import TrainArgs, train_rank
 from zerofunc.config import ConfigError, as_dict, parse as parse_config, read as read_config
 from zerofunc.launch import RankError, default_backend, init_torchrun, spawn, under_torchrun
@@ -164,12 +166,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.config.ignored:
         print(f"warning: zerofunc ignores these DeepSpeed settings: {', '.join(args.config.ignored)}", file=sys.stderr)
     backend = default_backend(torch.device(args.device))
+    # the launcher owns the output directory; under torchrun, global rank 0 does
+    lock = RunLock(args.out) if int(os.environ.get("RANK", "0")) == 0 else contextlib.nullcontext()
     try:
-        if under_torchrun():
-            init_torchrun(backend)
-            train_rank(args)
-        else:
-            spawn(train_rank, args.nproc, args, backend=backend)
+        with lock:
+            if under_torchrun():
+                init_torchrun(backend)
+                train_rank(args)
+            else:
+                spawn(train_rank, args.nproc, args, backend=backend)
+    except LockError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except RankError as e:
         print(f"error: training failed on {e}", file=sys.stderr)
         return 1
