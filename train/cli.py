@@ -25,6 +25,7 @@ from zerofunc.overlap import Overlap
 from zerofunc.recompute import MODES
 from zerofunc.units import partition
 
+EXIT_NONFINITE = 3  # the run stopped at a step whose gradients were not finite
 DEFAULTS = dict(model="gpt2-tiny", stage=3, nproc=2, steps=1000, micro_batch=8, seq=128, lr=1e-3, seed=0)
 
 
@@ -67,6 +68,9 @@ def parse(argv: list[str] | None) -> TrainArgs:
     p.add_argument("--ac-every", type=int, default=None, help="selective checkpointing: one block in K (default 2)")
     p.add_argument("--offload-optimizer", choices=("none", "cpu"), default=None,
                    help="cpu: the optimizer's state in host memory, its update on the CPU (stages 1-3)")
+    p.add_argument("--on-nonfinite", choices=("stop", "skip"), default="stop",
+                   help="a step whose gradients hold an inf or a NaN (fp32, bf16) is never applied; stop: save the "
+                        "weights before it and exit 3; skip: go on to the next step")
     a = p.parse_args(argv)
 
     if not 0 <= a.dropout < 1:
@@ -122,7 +126,8 @@ def parse(argv: list[str] | None) -> TrainArgs:
         units = [[[n, list(p.shape)] for n, p in named] for _, _, named in partition(model, model.shard_units())]
         checkpoint.verify(a.out, units)
     return TrainArgs(a.model, config, a.nproc, a.steps, a.seq, a.dropout, a.seed, a.data, a.out, device,
-                     a.save_every, a.resume, a.plot, device == "cuda" if a.compile is None else a.compile)
+                     a.save_every, a.resume, a.plot, device == "cuda" if a.compile is None else a.compile,
+                     a.on_nonfinite)
 
 
 def _flag_defaults() -> dict:
@@ -172,9 +177,9 @@ def main(argv: list[str] | None = None) -> int:
         with lock:
             if under_torchrun():
                 init_torchrun(backend)
-                train_rank(args)
+                results = [train_rank(args)]
             else:
-                spawn(train_rank, args.nproc, args, backend=backend)
+                results = spawn(train_rank, args.nproc, args, backend=backend)
     except LockError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -184,4 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+    if "stopped" in results[0]:
+        print(f"error: {results[0]['stopped']}", file=sys.stderr)
+        return EXIT_NONFINITE
     return 0

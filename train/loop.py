@@ -38,6 +38,7 @@ class TrainArgs:
     resume: bool = False  # continue from the newest checkpoint under `out`
     plot: Optional[str] = None  # draw the loss curve to this PNG at the end
     compile: bool = False       # torch.compile each block's compute
+    on_nonfinite: str = "stop"  # a step whose gradients hold an inf or a NaN: "stop" the run, or "skip" the step
 
 
 def rank_device(kind: str) -> torch.device:
@@ -72,6 +73,7 @@ def train_rank(args: TrainArgs) -> dict:
     start = time.perf_counter()
     loss_mean = float("nan")
     totals = {"peak_bytes": 0, "comm_bytes": 0, "tokens": 0}
+    nonfinite = engine.optimizer.nonfinite_steps
     for step in range(first, args.steps + 1):
         t0 = time.perf_counter()
         micro_batches = [[t.to(device) for t in rank_batch(tokens, step, cfg.micro_batch, world, rank, args.seq,
@@ -86,6 +88,8 @@ def train_rank(args: TrainArgs) -> dict:
             torch.cuda.reset_peak_memory_stats(device)
             loss = train_step(engine, micro_batches)
         loss_mean = loss.item()
+        skipped = engine.optimizer.nonfinite_steps > nonfinite  # the same on every rank: the norm is global
+        nonfinite = engine.optimizer.nonfinite_steps
         step_s = time.perf_counter() - t0
         peak = tracker.peak if tracker is not None else torch.cuda.max_memory_allocated(device)
         volume = comm.ledger.volume_bytes()
@@ -98,9 +102,14 @@ def train_rank(args: TrainArgs) -> dict:
                    "lr": cfg.lr(max(engine.optimizer.step_count, 1))}
             if engine.optimizer.loss_scaler is not None:
                 row |= {"loss_scale": engine.optimizer.loss_scaler.scale, "skipped_steps": engine.optimizer.skipped_steps}
+            if skipped:
+                row |= {"nonfinite": True}
             metrics.write(json.dumps(row) + "\n")
             metrics.flush()
             progress.update(step, loss_mean, tokens_per_step / step_s, peak)
+        if skipped and args.on_nonfinite == "stop":
+            totals["stopped"] = _stop_nonfinite(engine, args, step, loss_mean)
+            break
         if args.save_every and step % args.save_every == 0:
             checkpoint.save(engine, args.out, step, extra={"model": args.model, "seed": args.seed})
     totals |= {"final_loss": loss_mean, "elapsed_s": time.perf_counter() - start}
@@ -109,11 +118,25 @@ def train_rank(args: TrainArgs) -> dict:
     if rank == 0:
         metrics.close()
         progress.close()
-        if args.steps >= first:
+        if args.steps >= first and "stopped" not in totals:
             print(summary(per_rank, args.steps - first + 1), flush=True)
         if args.plot:
             plot_loss(Path(args.out) / "metrics.jsonl", Path(args.plot))
     return totals
+
+
+def _stop_nonfinite(engine, args: TrainArgs, step: int, loss: float) -> str:
+    """The step was skipped, so the weights are still those of the step before it: save them (unless
+    that step was just saved, or is the start), and say so in the run's last line."""
+    last = step - 1
+    where = "nothing to save: no step was completed"
+    if last >= 1:
+        saved = args.save_every and last % args.save_every == 0
+        path = (Path(args.out) / "checkpoints" / f"step-{last:08d}" if saved else
+                checkpoint.save(engine, args.out, last, extra={"model": args.model, "seed": args.seed}))
+        where = f"its checkpoint is {path}"
+    return (f"step {step}: the loss is {loss} and the gradients are not finite; stopped with the weights of "
+            f"step {last}, {where} (--on-nonfinite skip skips such steps)")
 
 
 def _open_metrics(out: str, keep_through: int):

@@ -65,6 +65,11 @@ def save(engine: ZeroEngine, run_dir: str | Path, step: int, extra: Optional[dic
     name = f"step-{step:08d}"
     tmp = root / f".{name}.partial"
     rank, world = engine.comm.rank, engine.comm.world_size
+    finite = [None] * world  # the optimizer never applies a non-finite step; this makes sure no NaN is kept
+    dist.all_gather_object(finite, all(bool(torch.isfinite(u.master).all()) for u in engine.units))
+    if not all(finite):
+        raise CheckpointError(f"refusing to save step {step}: the weights of rank {finite.index(False)} hold an "
+                              f"inf or a NaN")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)

@@ -32,14 +32,17 @@ class ShardedAdamW:
         self._gathering = InFlight(bucket_bytes)  # stages 1-2: new weights spreading while the next unit updates
         self.clip, self.loss_scaler = clip, loss_scaler
         self.step_count = 0          # optimizer steps taken (skipped ones excluded)
-        self.skipped_steps = 0       # boundaries whose gradients overflowed
+        self.skipped_steps = 0       # boundaries whose fp16 gradients overflowed
+        self.nonfinite_steps = 0     # boundaries whose fp32 or bf16 gradients held an inf or a NaN
         self.lr_schedule: Optional[Callable[[int], float]] = None  # step (from 1) -> lr, when step() gets none
 
     @torch.no_grad()
     def step(self, lr: Optional[float] = None) -> bool:
         """AdamW on the fp32 master of what this rank owns, then refresh the weights the forward uses.
 
-        Returns False, changing nothing, when fp16 gradients overflowed on any rank.
+        Returns False, changing nothing, when any rank's gradients hold an inf or a NaN: an fp16
+        overflow (the loss scale adapts), or in fp32 and bf16 a diverged step, whose update would
+        carry the NaN into every weight.
         """
         for unit in self.units:
             if unit.grad is None:
@@ -114,7 +117,9 @@ class ShardedAdamW:
         gradients are sharded (stage 0's are whole on every rank). With fp16 loss scaling
         it reduces [sum of squares, found_inf] of the unscaled gradients, both from one
         pass of `unscale_` per unit; any non-finite value is an overflow: None, and the
-        scale adapts.
+        scale adapts. Without it the norm is taken anyway, one read of the gradient shard,
+        as DeepSpeed does: a non-finite norm means a non-finite gradient, and the step is
+        skipped (None) rather than written into the weights.
 
         The unscaled fp32 gradients are not kept: all units' at once would add 4 bytes
         per gradient element to the step's peak, which otherwise holds one unit's
@@ -122,8 +127,6 @@ class ShardedAdamW:
         gradient again and multiplies it by the returned factor as it loads it.
         """
         scaler = self.loss_scaler
-        if scaler is None and not self.clip:
-            return 1.0
         device = self.units[0].params.device  # where the collective runs; offloaded gradients are on the host
         stats = torch.zeros(2 if scaler is not None else 1, device=device, dtype=torch.float32)
         with placed("host") if self.offload is not None else contextlib.nullcontext():
@@ -144,6 +147,9 @@ class ShardedAdamW:
                 self.skipped_steps += 1
                 return None
             factor = 1.0 / scale
+        elif not math.isfinite(norm):
+            self.nonfinite_steps += 1
+            return None
         if self.clip:  # as torch.nn.utils.clip_grad_norm_
             factor *= min(1.0, self.clip / (norm + 1e-6))
         return factor
