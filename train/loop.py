@@ -111,7 +111,7 @@ def train_rank(args: TrainArgs) -> dict:
             totals["stopped"] = _stop_nonfinite(engine, args, step, loss_mean)
             break
         if args.save_every and step % args.save_every == 0:
-            checkpoint.save(engine, args.out, step, extra={"model": args.model, "seed": args.seed})
+            _save(engine, args, step)
     totals |= {"final_loss": loss_mean, "elapsed_s": time.perf_counter() - start}
     per_rank = [None] * world
     dist.all_gather_object(per_rank, totals)  # every rank's peak, for the summary
@@ -132,11 +132,13 @@ def _stop_nonfinite(engine, args: TrainArgs, step: int, loss: float) -> str:
     where = "nothing to save: no step was completed"
     if last >= 1:
         saved = args.save_every and last % args.save_every == 0
-        path = (Path(args.out) / "checkpoints" / f"step-{last:08d}" if saved else
-                checkpoint.save(engine, args.out, last, extra={"model": args.model, "seed": args.seed}))
-        where = f"its checkpoint is {path}"
+        where = f"its checkpoint is {checkpoint.step_dir(args.out, last) if saved else _save(engine, args, last)}"
     return (f"step {step}: the loss is {loss} and the gradients are not finite; stopped with the weights of "
             f"step {last}, {where} (--on-nonfinite skip skips such steps)")
+
+
+def _save(engine, args: TrainArgs, step: int) -> Path:
+    return checkpoint.save(engine, args.out, step, extra={"model": args.model, "seed": args.seed})
 
 
 def _open_metrics(out: str, keep_through: int):

@@ -59,10 +59,15 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def step_dir(run_dir: str | Path, step: int) -> Path:
+    """Where the checkpoint of training step `step` lives under a run directory."""
+    return Path(run_dir) / "checkpoints" / f"step-{step:08d}"
+
+
 def save(engine: ZeroEngine, run_dir: str | Path, step: int, extra: Optional[dict] = None) -> Path:
     """Save the engine's state as of training step `step`; collective over all ranks."""
-    root = Path(run_dir) / "checkpoints"
-    name = f"step-{step:08d}"
+    final = step_dir(run_dir, step)
+    root, name = final.parent, final.name
     tmp = root / f".{name}.partial"
     rank, world = engine.comm.rank, engine.comm.world_size
     finite = [None] * world  # the optimizer never applies a non-finite step; this makes sure no NaN is kept
@@ -97,14 +102,13 @@ def save(engine: ZeroEngine, run_dir: str | Path, step: int, extra: Optional[dic
             "skipped_steps": opt.skipped_steps, "extra": extra or {},
         }
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
-        final = root / name
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         latest_tmp = root / ".latest.partial"
         latest_tmp.write_text(name)
         os.replace(latest_tmp, root / "latest")
     dist.barrier()
-    return root / name
+    return final
 
 
 def resolve(path: str | Path) -> Path:
