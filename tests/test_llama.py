@@ -94,6 +94,9 @@ def test_logits_equal_hugging_face(variant):
      "rope type 'yarn' is not supported"),
     ({**hf_config_dict(MODELS["llama-tiny"]), "num_key_value_heads": 4}, "not a multiple of n_kv_head 4"),
     ({**hf_config_dict(MODELS["llama-tiny"]), "hidden_size": "wide"}, "'hidden_size' must be a positive integer"),
+    ({**hf_config_dict(MODELS["llama-tiny"]), "rope_scaling": "x"}, "'rope_scaling' must be an object"),
+    ({**hf_config_dict(MODELS["llama-tiny"]), "rope_theta": [1]}, "'rope_theta' must be a positive number"),
+    ({**hf_config_dict(MODELS["llama-tiny"]), "rms_norm_eps": None}, "'rms_norm_eps' must be a positive number"),
     ([1, 2], "holds a JSON list"),
 ])
 def test_bad_config_json_is_one_line_in_the_planner_and_the_trainer(tmp_path, capsys, doc, message):

@@ -12,12 +12,16 @@ import sys
 from dataclasses import replace
 
 import torch
+import torch.distributed as dist
 
 from train.data import DataError, load_tokens
 from train.lock import LockError, RunLock
 from train.loop import TrainArgs, train_rank
-from zerofunc.config import ConfigError, as_dict, parse as parse_config, read as read_config
-from zerofunc.launch import RankError, default_backend, init_torchrun, spawn, under_torchrun
+from zerofunc.config import (MAX_BUCKET_MB, MAX_COMM_TIMEOUT_S, MAX_MICRO_BATCH_TOKENS, MAX_PREFETCH_DEPTH,
+                             MAX_RANKS_PER_CORE, MAX_SEED, ConfigError, as_dict, parse as parse_config,
+                             read as read_config)
+from zerofunc.launch import (RankError, comm_failure_line, default_backend, init_torchrun, is_comm_failure, spawn,
+                             under_torchrun)
 from zerofunc import checkpoint
 from zerofunc.checkpoint import CheckpointError
 from zerofunc.models import MODELS, build_model, model_config
@@ -25,7 +29,14 @@ from zerofunc.overlap import Overlap
 from zerofunc.recompute import MODES
 from zerofunc.units import partition
 
-EXIT_NONFINITE = 3  # the run stopped at a step whose gradients were not finite
+# exit codes: each fault its own, so that a job script can tell them apart
+EXIT_RANK_FAILED = 1   # a rank raised, died, or a collective failed or timed out
+EXIT_USAGE = 2         # bad input: flags, config, data, checkpoint to resume, output directory in use
+EXIT_NONFINITE = 3     # stopped at a step whose gradients were not finite, with the weights before it saved
+EXIT_SAVE_FAILED = 4   # a checkpoint could not be written (--on-save-error stop); the previous one is intact
+EXIT_PREEMPTED = 75    # stopped on SIGTERM/SIGINT with a checkpoint: run again with --resume (EX_TEMPFAIL)
+EXIT_INTERRUPTED = 130 # a second SIGINT/SIGTERM: stopped at once, nothing saved
+EXIT_CODES = {"nonfinite": EXIT_NONFINITE, "save_failed": EXIT_SAVE_FAILED, "preempted": EXIT_PREEMPTED}
 DEFAULTS = dict(model="gpt2-tiny", stage=3, nproc=2, steps=1000, micro_batch=8, seq=128, lr=1e-3, seed=0)
 
 
@@ -33,8 +44,21 @@ class UsageError(ValueError):
     pass
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's own complaints (an unknown flag, a value that is not a number) as a UsageError, so they
+    end in one line and exit 2 like every other; --help still prints and exits 0."""
+
+    def error(self, message: str):
+        raise UsageError(message.replace("\n", "\\n"))
+
+    def _get_values(self, action, arg_strings):
+        if action.nargs is None and arg_strings == ["--"]:  # Python 3.11 reads "--lr=--" as an empty list
+            self.error(f"argument {'/'.join(action.option_strings)}: expected one argument")
+        return super()._get_values(action, arg_strings)
+
+
 def parse(argv: list[str] | None) -> TrainArgs:
-    p = argparse.ArgumentParser(prog="python -m train", description="Train a GPT-2 or a Llama with ZeRO stages 0-3.")
+    p = ArgumentParser(prog="python -m train", description="Train a GPT-2 or a Llama with ZeRO stages 0-3.")
     p.add_argument("--model", default=DEFAULTS["model"],
                    help=f"a Hugging Face config.json (llama, mistral, qwen2, gpt2), or one of {', '.join(MODELS)}")
     p.add_argument("--config", default=None, help="a DeepSpeed-style JSON config; the flags below override it")
@@ -71,6 +95,12 @@ def parse(argv: list[str] | None) -> TrainArgs:
     p.add_argument("--on-nonfinite", choices=("stop", "skip"), default="stop",
                    help="a step whose gradients hold an inf or a NaN (fp32, bf16) is never applied; stop: save the "
                         "weights before it and exit 3; skip: go on to the next step")
+    p.add_argument("--on-save-error", choices=("stop", "continue"), default="stop",
+                   help="a checkpoint that cannot be written (disk full, read-only, quota); stop: exit 4; continue: "
+                        "train on and try again at the next save. The previous checkpoint stays intact either way")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="how long a collective waits for the other ranks before the run fails (default 300; "
+                        "config key comm_timeout)")
     a = p.parse_args(argv)
 
     if not 0 <= a.dropout < 1:
@@ -86,20 +116,26 @@ def parse(argv: list[str] | None) -> TrainArgs:
         raise UsageError(f"--stage must be 0, 1, 2 or 3, got {a.stage}")
     if a.plot is not None and not a.plot.lower().endswith(".png"):
         raise UsageError(f"--plot writes a PNG; give a file name ending in .png, not {a.plot!r}")
+    if a.plot is not None and not os.path.isdir(os.path.dirname(a.plot) or "."):  # drawn after the last step
+        raise UsageError(f"--plot {a.plot!r}: its directory {os.path.dirname(a.plot)!r} does not exist")
     if a.save_every < 0:
         raise UsageError(f"--save-every must be >= 0, got {a.save_every}")
     for flag in ("nproc", "steps", "micro_batch", "grad_accum", "seq"):
         value = getattr(a, flag)
         if value is not None and value < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
-    if a.lr is not None and not a.lr > 0:
-        raise UsageError(f"--lr must be positive, got {a.lr}")
-    if a.clip is not None and a.clip < 0:
-        raise UsageError(f"--clip must be >= 0, got {a.clip}")
-    if a.prefetch_depth is not None and a.prefetch_depth < 0:
-        raise UsageError(f"--prefetch-depth must be >= 0, got {a.prefetch_depth}")
-    if a.bucket_mb is not None and not a.bucket_mb >= 0:
-        raise UsageError(f"--bucket-mb must be >= 0, got {a.bucket_mb}")
+    if a.lr is not None and not 0 < a.lr < float("inf"):
+        raise UsageError(f"--lr must be positive and finite, got {a.lr}")
+    if a.clip is not None and not 0 <= a.clip < float("inf"):
+        raise UsageError(f"--clip must be >= 0 and finite, got {a.clip}")
+    if a.timeout is not None and not 0 < a.timeout <= MAX_COMM_TIMEOUT_S:
+        raise UsageError(f"--timeout must be a number of seconds in (0, {MAX_COMM_TIMEOUT_S}], got {a.timeout}")
+    if a.prefetch_depth is not None and not 0 <= a.prefetch_depth <= MAX_PREFETCH_DEPTH:
+        raise UsageError(f"--prefetch-depth must lie in [0, {MAX_PREFETCH_DEPTH}], got {a.prefetch_depth}")
+    if a.bucket_mb is not None and not 0 <= a.bucket_mb <= MAX_BUCKET_MB:
+        raise UsageError(f"--bucket-mb must lie in [0, {MAX_BUCKET_MB}], got {a.bucket_mb}")
+    if not 0 <= a.seed < MAX_SEED:
+        raise UsageError(f"--seed must lie in [0, {MAX_SEED}), got {a.seed}")
     if a.ac_every is not None and a.ac_every < 1:
         raise UsageError(f"--ac-every must be at least 1, got {a.ac_every}")
     if a.ac_every is not None and a.activation_checkpointing not in (None, "selective"):
@@ -112,8 +148,15 @@ def parse(argv: list[str] | None) -> TrainArgs:
         raise UsageError("--device cuda, but no CUDA device is available")
     if device == "cuda" and not under_torchrun() and a.nproc > torch.cuda.device_count():
         raise UsageError(f"--nproc {a.nproc} exceeds the {torch.cuda.device_count()} CUDA devices here")
+    cores = os.cpu_count() or 1  # each rank is a process with its own torch: past a few per core, memory runs out
+    if device == "cpu" and not under_torchrun() and a.nproc > MAX_RANKS_PER_CORE * cores:
+        raise UsageError(f"--nproc {a.nproc} is more CPU ranks than this machine holds: at most "
+                         f"{MAX_RANKS_PER_CORE * cores} ({MAX_RANKS_PER_CORE} per core, {cores} cores)")
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else a.nproc
     config = parse_config(as_dict(read_config(a.config) if a.config else _flag_defaults(), _overrides(a)), world)
+    if config.micro_batch * a.seq > MAX_MICRO_BATCH_TOKENS:
+        raise UsageError(f"a micro-batch of {config.micro_batch} x {a.seq} tokens is over the bound of "
+                         f"{MAX_MICRO_BATCH_TOKENS} tokens per rank per micro-step; accumulate gradients instead")
     overlap = config.overlap
     if a.prefetch_depth is not None:
         overlap = replace(overlap, prefetch_depth=a.prefetch_depth)
@@ -127,7 +170,7 @@ def parse(argv: list[str] | None) -> TrainArgs:
         checkpoint.verify(a.out, units)
     return TrainArgs(a.model, config, a.nproc, a.steps, a.seq, a.dropout, a.seed, a.data, a.out, device,
                      a.save_every, a.resume, a.plot, device == "cuda" if a.compile is None else a.compile,
-                     a.on_nonfinite)
+                     a.on_nonfinite, a.on_save_error, config.comm_timeout)
 
 
 def _flag_defaults() -> dict:
@@ -158,6 +201,8 @@ def _overrides(a: argparse.Namespace) -> dict:
         out["activation_checkpointing.every"] = a.ac_every
     if a.offload_optimizer is not None:
         out["zero_optimization.offload_optimizer.device"] = a.offload_optimizer
+    if a.timeout is not None:
+        out["comm_timeout"] = a.timeout
     return out
 
 
@@ -167,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         load_tokens(args.data, args.seq)  # fail here, in one line, rather than in every rank
     except (UsageError, DataError, ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     if args.config.ignored:
         print(f"warning: zerofunc ignores these DeepSpeed settings: {', '.join(args.config.ignored)}", file=sys.stderr)
     backend = default_backend(torch.device(args.device))
@@ -176,20 +221,34 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with lock:
             if under_torchrun():
-                init_torchrun(backend)
-                results = [train_rank(args)]
+                results = [_torchrun_rank(args, backend)]
             else:
-                results = spawn(train_rank, args.nproc, args, backend=backend)
+                results = spawn(train_rank, args.nproc, args, backend=backend, comm_timeout=args.comm_timeout)
     except LockError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     except RankError as e:
-        print(f"error: training failed on {e}", file=sys.stderr)
-        return 1
+        if e.detail:  # not a known fault: the rank's traceback is what a bug report needs
+            print(e.detail, file=sys.stderr, end="")
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_RANK_FAILED
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     if "stopped" in results[0]:
-        print(f"error: {results[0]['stopped']}", file=sys.stderr)
-        return EXIT_NONFINITE
+        kind, line = results[0]["stopped"]
+        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, every rank has the same line
+            print(f"{'stopped' if kind == 'preempted' else 'error'}: {line}", file=sys.stderr)
+        return EXIT_CODES[kind]
     return 0
+
+
+def _torchrun_rank(args: TrainArgs, backend: str) -> dict:
+    """This process's rank of a torchrun world; a fault is told in one line, as the launcher does."""
+    init_torchrun(backend, args.comm_timeout)
+    try:
+        return train_rank(args)
+    except Exception as e:
+        if is_comm_failure(e):
+            raise RankError(comm_failure_line(dist.get_rank(), e)) from None
+        raise

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,10 +15,13 @@ import torch.distributed as dist
 import zerofunc
 from sim.memory import MemoryTracker
 from train.data import load_tokens, rank_batch
+from train.preempt import StopAgreement
 from train.report import Progress, plot_loss, summary
 from zerofunc import checkpoint
+from zerofunc.checkpoint import SaveError
 from zerofunc.comm import DistCommunicator
 from zerofunc.config import Config
+from zerofunc.launch import mark_step
 from zerofunc.models import build_model, model_config
 from zerofunc.step import train_step
 
@@ -39,6 +43,8 @@ class TrainArgs:
     plot: Optional[str] = None  # draw the loss curve to this PNG at the end
     compile: bool = False       # torch.compile each block's compute
     on_nonfinite: str = "stop"  # a step whose gradients hold an inf or a NaN: "stop" the run, or "skip" the step
+    on_save_error: str = "stop"  # a checkpoint that cannot be written: "stop" the run, or "continue" without it
+    comm_timeout: float = 300.0  # seconds a collective may wait for the other ranks before it fails
 
 
 def rank_device(kind: str) -> torch.device:
@@ -67,6 +73,8 @@ def train_rank(args: TrainArgs) -> dict:
     first = 1
     if args.resume:
         first = checkpoint.load(engine, args.out)["step"] + 1
+    saved = first - 1 if args.resume else None  # the step of the newest checkpoint of this run
+    stop = StopAgreement()
     metrics = _open_metrics(args.out, keep_through=first - 1) if rank == 0 else None
     tokens_per_step = cfg.train_batch_size * args.seq
     progress = Progress(first, args.steps) if rank == 0 else None
@@ -75,6 +83,10 @@ def train_rank(args: TrainArgs) -> dict:
     totals = {"peak_bytes": 0, "comm_bytes": 0, "tokens": 0}
     nonfinite = engine.optimizer.nonfinite_steps
     for step in range(first, args.steps + 1):
+        mark_step(step)
+        if stop.stop_before(step):
+            totals["stopped"] = _stop_preempted(engine, args, step - 1, saved, stop.agreed[1])
+            break
         t0 = time.perf_counter()
         micro_batches = [[t.to(device) for t in rank_batch(tokens, step, cfg.micro_batch, world, rank, args.seq,
                                                            args.seed, cfg.grad_accum, j)]
@@ -108,10 +120,19 @@ def train_rank(args: TrainArgs) -> dict:
             metrics.flush()
             progress.update(step, loss_mean, tokens_per_step / step_s, peak)
         if skipped and args.on_nonfinite == "stop":
-            totals["stopped"] = _stop_nonfinite(engine, args, step, loss_mean)
+            totals["stopped"] = _stop_nonfinite(engine, args, step, loss_mean, saved)
             break
         if args.save_every and step % args.save_every == 0:
-            _save(engine, args, step)
+            try:
+                _save(engine, args, step)
+                saved = step
+            except SaveError as e:
+                if args.on_save_error == "stop":
+                    totals["stopped"] = ("save_failed", f"{e}; stopped, {_newest(args, saved)}")
+                    break
+                if rank == 0:
+                    print(f"warning: {e}; going on without it (--on-save-error continue)", file=sys.stderr,
+                          flush=True)
     totals |= {"final_loss": loss_mean, "elapsed_s": time.perf_counter() - start}
     per_rank = [None] * world
     dist.all_gather_object(per_rank, totals)  # every rank's peak, for the summary
@@ -125,16 +146,36 @@ def train_rank(args: TrainArgs) -> dict:
     return totals
 
 
-def _stop_nonfinite(engine, args: TrainArgs, step: int, loss: float) -> str:
-    """The step was skipped, so the weights are still those of the step before it: save them (unless
-    that step was just saved, or is the start), and say so in the run's last line."""
-    last = step - 1
-    where = "nothing to save: no step was completed"
-    if last >= 1:
-        saved = args.save_every and last % args.save_every == 0
-        where = f"its checkpoint is {checkpoint.step_dir(args.out, last) if saved else _save(engine, args, last)}"
-    return (f"step {step}: the loss is {loss} and the gradients are not finite; stopped with the weights of "
-            f"step {last}, {where} (--on-nonfinite skip skips such steps)")
+def _stop_nonfinite(engine, args: TrainArgs, step: int, loss: float, saved) -> tuple[str, str]:
+    """The step was skipped, so the weights are still those of the step before it: save them, and
+    say so in the run's last line."""
+    why = f"step {step}: the loss is {loss} and the gradients are not finite"
+    return _final_save(engine, args, step - 1, saved, why, f"stopped with the weights of step {step - 1}",
+                       "nonfinite", " (--on-nonfinite skip skips such steps)")
+
+
+def _stop_preempted(engine, args: TrainArgs, last: int, saved, signal_name: str) -> tuple[str, str]:
+    return _final_save(engine, args, last, saved, f"{signal_name} received", f"stopped after step {last}", "preempted",
+                       "; continue with --resume")
+
+
+def _final_save(engine, args: TrainArgs, last: int, saved, why: str, what: str, kind: str,
+                advice: str) -> tuple[str, str]:
+    """Save the weights of step `last` as the run stops (unless that checkpoint exists already):
+    the (kind, line) the launcher reports."""
+    if last < 1:
+        return kind, f"{why}; {what}: no step was completed, nothing to save{advice}"
+    if saved != last:
+        try:
+            _save(engine, args, last)
+        except SaveError as e:
+            return "save_failed", f"{why}; {what}, but {e}; {_newest(args, saved)}"
+    return kind, f"{why}; {what}, its checkpoint is {checkpoint.step_dir(args.out, last)}{advice}"
+
+
+def _newest(args: TrainArgs, saved) -> str:
+    return (f"the newest checkpoint is {checkpoint.step_dir(args.out, saved)}" if saved
+            else "there is no checkpoint of this run")
 
 
 def _save(engine, args: TrainArgs, step: int) -> Path:

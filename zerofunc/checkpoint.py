@@ -65,50 +65,98 @@ def step_dir(run_dir: str | Path, step: int) -> Path:
 
 
 def save(engine: ZeroEngine, run_dir: str | Path, step: int, extra: Optional[dict] = None) -> Path:
-    """Save the engine's state as of training step `step`; collective over all ranks."""
+    """Save the engine's state as of training step `step`; collective over all ranks.
+
+    A rank that cannot write (disk full, read-only, a quota) makes every rank raise the
+    same `SaveError` after the partial directory is removed: the previous checkpoint and
+    `latest` are untouched, and no rank is left waiting in a collective.
+    """
     final = step_dir(run_dir, step)
     root, name = final.parent, final.name
     tmp = root / f".{name}.partial"
     rank, world = engine.comm.rank, engine.comm.world_size
-    finite = [None] * world  # the optimizer never applies a non-finite step; this makes sure no NaN is kept
-    dist.all_gather_object(finite, all(bool(torch.isfinite(u.master).all()) for u in engine.units))
-    if not all(finite):
-        raise CheckpointError(f"refusing to save step {step}: the weights of rank {finite.index(False)} hold an "
-                              f"inf or a NaN")
+    finite = all(bool(torch.isfinite(u.master).all()) for u in engine.units)
+    failure = None
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    digest = None
+        _, failure = _attempt(lambda: (shutil.rmtree(tmp, ignore_errors=True), tmp.mkdir(parents=True)))
+    # The optimizer never applies a non-finite step; refusing here makes sure no NaN is ever kept.
+    states = _agree(world, (finite, failure))
+    if not all(ok for ok, _ in states):
+        _discard(rank, tmp)
+        bad = next(r for r, (ok, _) in enumerate(states) if not ok)
+        raise CheckpointError(f"refusing to save step {step}: the weights of rank {bad} hold an inf or a NaN")
+    _raise_failure(rank, tmp, step, final, [f for _, f in states])
+
+    digest, failure = None, None
     if engine.stage.shard_optimizer or rank == 0:  # stage 0: every rank holds the same state
-        tensors = {}
-        for i, unit in enumerate(engine.units):
-            for kind in ("master", "m", "v"):
-                tensors[f"{i}.{kind}"] = getattr(unit, kind).detach().cpu().contiguous()
-        save_file(tensors, str(tmp / _rank_file(rank)))
-        digest = _sha256(tmp / _rank_file(rank))  # each rank hashes its own file, in parallel
-    digests = [None] * world
-    dist.all_gather_object(digests, digest)
+        def write():
+            tensors = {}
+            for i, unit in enumerate(engine.units):
+                for kind in ("master", "m", "v"):
+                    tensors[f"{i}.{kind}"] = getattr(unit, kind).detach().cpu().contiguous()
+            save_file(tensors, str(tmp / _rank_file(rank)))
+            return _sha256(tmp / _rank_file(rank))  # each rank hashes its own file, in parallel
+        digest, failure = _attempt(write)
+    states = _agree(world, (digest, failure))
+    _raise_failure(rank, tmp, step, final, [f for _, f in states])
+
+    failure = None
     if rank == 0:
         opt = engine.optimizer
         manifest = {
             "format": FORMAT, "step": step, "optimizer_steps": engine.optimizer.step_count, "world_size": world,
             "stage": engine.stage.level,
             "files": [_rank_file(r) for r in (range(world) if engine.stage.shard_optimizer else [0])],
-            "sha256": {_rank_file(r): d for r, d in enumerate(digests) if d is not None},
+            "sha256": {_rank_file(r): d for r, (d, _) in enumerate(states) if d is not None},
             "units": [{"name": u.name, "numel": u.layout.numel, "padded_numel": u.layout.padded_numel,
                        "params": [[s.name, list(s.shape)] for s in u.layout.slots]} for u in engine.units],
             "loss_scaler": opt.loss_scaler.state_dict() if opt.loss_scaler else None,
             "skipped_steps": opt.skipped_steps, "extra": extra or {},
         }
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        latest_tmp = root / ".latest.partial"
-        latest_tmp.write_text(name)
-        os.replace(latest_tmp, root / "latest")
-    dist.barrier()
+
+        def publish():
+            (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            latest_tmp = root / ".latest.partial"
+            latest_tmp.write_text(name)
+            os.replace(latest_tmp, root / "latest")
+        _, failure = _attempt(publish)
+    _raise_failure(rank, tmp, step, final, _agree(world, failure))
     return final
+
+
+class SaveError(CheckpointError):
+    """A checkpoint could not be written; the previous one and `latest` are intact."""
+
+
+def _attempt(action):
+    """Run one part of a save: (its result, None), or (None, what went wrong in one line)."""
+    try:
+        return action(), None
+    except Exception as e:  # OSError, and safetensors' own error for a failed write
+        text = e.strerror if isinstance(e, OSError) and e.strerror else (str(e).splitlines() or [repr(e)])[0]
+        return None, f"{text} ({e.filename})" if isinstance(e, OSError) and e.filename else text
+
+
+def _agree(world: int, mine):
+    """Every rank's `mine`, on every rank: each part of a save ends in this one collective."""
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def _discard(rank: int, tmp: Path) -> None:
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _raise_failure(rank: int, tmp: Path, step: int, final: Path, failures: list) -> None:
+    bad = [r for r, f in enumerate(failures) if f]
+    if bad:
+        _discard(rank, tmp)
+        raise SaveError(f"could not save the checkpoint of step {step} to {final}: rank {bad[0]}: "
+                        f"{failures[bad[0]]}")
 
 
 def resolve(path: str | Path) -> Path:

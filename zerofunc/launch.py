@@ -1,9 +1,21 @@
 """Start N ranks on this machine, or join the ranks torchrun started.
 
 `spawn(fn, nproc, *args)` runs `fn(*args)` in `nproc` fresh processes joined in one
-process group and returns each rank's return value, in rank order. A rank that raises
-makes `spawn` raise `RankError` with that rank's traceback; the other ranks are
-stopped rather than left waiting on a collective that will never come.
+process group and returns each rank's return value, in rank order. A rank that raises,
+or dies, makes `spawn` raise `RankError`; the other ranks are stopped rather than left
+waiting on a collective that will never come.
+
+Faults are told in one line: a rank that died is named with the step it was in (ranks
+report it through `mark_step`), and a collective that failed or timed out (after the
+group's `comm_timeout`) says so without a traceback. An exception of any other kind is a
+bug, and its `RankError` carries the rank's traceback in `detail`.
+
+Signals: the first SIGINT or SIGTERM, to the launcher or to a rank, only records a stop
+request (`stop_signal`), which the caller acts on at a point of its choosing: the
+launcher forwards it to every rank as SIGTERM. Copies of one request arrive together (a
+terminal's Ctrl-C reaches the launcher and the ranks at once; torchrun forwards the
+signal it gets), so only a signal more than `REPEAT_S` after the first counts as a
+second one, and that one stops at once.
 
 Ranks end with `os._exit` right after destroying the group: torch 2.13 with gloo can
 otherwise abort at interpreter exit after all work is done (see DESIGN.md).
@@ -13,18 +25,29 @@ from __future__ import annotations
 import datetime
 import os
 import queue
+import re
+import signal
 import socket
+import threading
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+REPEAT_S = 1.0  # a signal this long after the first is a second request: stop at once
+DEFAULT_COMM_TIMEOUT_S = 300.0
+
 
 class RankError(RuntimeError):
-    """A rank failed; the message carries its traceback."""
+    """A rank failed. The message is one line; `detail` holds the rank's traceback when
+    the failure was not a known fault (a bug), else None."""
+
+    def __init__(self, line: str, detail: Optional[str] = None):
+        super().__init__(line)
+        self.detail = detail
 
 
 def under_torchrun() -> bool:
@@ -35,11 +58,68 @@ def default_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def init_torchrun(backend: str) -> None:
+def init_torchrun(backend: str, comm_timeout: float = DEFAULT_COMM_TIMEOUT_S) -> None:
     """Join the process group torchrun set up through the environment."""
+    global _comm_timeout
+    _comm_timeout = comm_timeout
+    catch_stop_signals()
     if not dist.is_initialized():
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=comm_timeout))
 
+
+# ---- what a rank tells: its step, a stop request, a failure in one line -----------------------------
+
+_progress = None  # the launcher's table of each rank's current step (shared memory); None under torchrun
+_step = 0
+_comm_timeout = DEFAULT_COMM_TIMEOUT_S
+_stop: dict = {}  # the first stop request: {"signal": name, "at": monotonic time}
+
+
+def mark_step(step: int) -> None:
+    """Record the step this rank is in: the launcher names it if the rank dies."""
+    global _step
+    _step = step
+    if _progress is not None:
+        _progress[dist.get_rank()] = step
+
+
+def stop_signal() -> Optional[str]:
+    """The name of the signal that asked this process to stop (SIGTERM, SIGINT), or None."""
+    return _stop.get("signal")
+
+
+def _on_signal(signum, frame) -> None:
+    now = time.monotonic()
+    if not _stop:
+        _stop.update(signal=signal.Signals(signum).name, at=now)
+    elif now - _stop["at"] > REPEAT_S:
+        raise KeyboardInterrupt  # a second request: stop at once
+
+
+def catch_stop_signals() -> None:
+    """Let SIGINT and SIGTERM record a stop request (see the module's docstring)."""
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, _on_signal)
+
+
+def is_comm_failure(e: BaseException) -> bool:
+    """A collective that failed because a peer died, hung or cannot be reached."""
+    return isinstance(e, getattr(dist, "DistError", ())) or (
+        isinstance(e, RuntimeError) and bool(re.search(r"gloo|NCCL|Connection (reset|closed)|Timed out", str(e))))
+
+
+def comm_failure_line(rank: int, e: BaseException) -> str:
+    text = re.sub(r"^\[[^\]]*\] ", "", str(e).strip().splitlines()[0])  # gloo's [file:line] prefix
+    text = text.split(". This is typically caused")[0]
+    where = f"during step {_step}" if _step else "before the first step"
+    if re.search(r"[Tt]imed? ?out|timeout", text):
+        return (f"rank {rank}: no answer from the other ranks within --timeout {_comm_timeout:g} s {where} "
+                f"(a rank hung, or its node is unreachable): {text}")
+    return f"rank {rank}: a collective failed {where} (a rank died, or its node is unreachable): {text}"
+
+
+# ---- the launcher -----------------------------------------------------------------------------------
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -47,57 +127,108 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, nproc: int, port: int, backend: str, results, fn, args) -> None:
+def _rank_main(rank: int, nproc: int, port: int, backend: str, comm_timeout: float, progress, results,
+               fn, args) -> None:
+    global _progress, _comm_timeout
+    _progress, _comm_timeout = progress, comm_timeout
+    catch_stop_signals()
     code = 0
     try:
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc))
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=nproc, timeout=datetime.timedelta(seconds=300))
-        results.put((rank, True, fn(*args)))
+                                world_size=nproc, timeout=datetime.timedelta(seconds=comm_timeout))
+        results.put((rank, True, fn(*args), None))
     except BaseException as e:  # report anything, including KeyboardInterrupt, to the parent
-        results.put((rank, False, f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        if is_comm_failure(e):
+            results.put((rank, False, comm_failure_line(rank, e), None))
+        elif isinstance(e, KeyboardInterrupt):
+            results.put((rank, False, f"rank {rank}: interrupted during step {_step}", None))
+        else:
+            results.put((rank, False, f"rank {rank}: {type(e).__name__}: {e}".splitlines()[0],
+                         traceback.format_exc()))
         code = 1
     try:
         results.close()
         results.join_thread()  # flush the result before os._exit kills the queue's feeder thread
-        if dist.is_initialized():
+        if dist.is_initialized() and code == 0:  # after a failure the group may hang in teardown
             dist.destroy_process_group()
     finally:
         os._exit(code)
 
 
-def spawn(fn: Callable[..., Any], nproc: int, *args, backend: str = "gloo",
-          timeout: float = 1800.0) -> list[Any]:
-    """Run `fn(*args)` on `nproc` local ranks; return their results in rank order."""
+def _death(rank: int, proc, progress) -> str:
+    code = proc.exitcode
+    how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+    step = progress[rank]
+    return f"rank {rank} died ({how}) {f'during step {step}' if step else 'before its first step'}"
+
+
+def spawn(fn: Callable[..., Any], nproc: int, *args, backend: str = "gloo", timeout: Optional[float] = None,
+          comm_timeout: float = DEFAULT_COMM_TIMEOUT_S) -> list[Any]:
+    """Run `fn(*args)` on `nproc` local ranks; return their results in rank order.
+
+    `timeout`: seconds for the whole run (None: no limit); `comm_timeout`: seconds any one
+    collective may wait before it fails. A first SIGINT or SIGTERM to this process is
+    forwarded to the ranks as SIGTERM; a second one (`REPEAT_S` later) stops them at once.
+    """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
+    progress = ctx.Array("q", nproc, lock=False)
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, nproc, port, backend, results, fn, args), daemon=True)
+    procs = [ctx.Process(target=_rank_main, daemon=True,
+                         args=(r, nproc, port, backend, comm_timeout, progress, results, fn, args))
              for r in range(nproc)]
+    forwarded: list[float] = []
+
+    def forward(signum, frame):
+        if not forwarded:
+            forwarded.append(time.monotonic())
+            for p in procs:
+                if p.is_alive():
+                    os.kill(p.pid, signal.SIGTERM)
+        elif time.monotonic() - forwarded[0] > REPEAT_S:
+            raise KeyboardInterrupt
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    saved = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
+    deadline = None if timeout is None else time.monotonic() + timeout
+
+    def dead(but: int = -1) -> list[int]:
+        return [r for r in range(nproc) if r not in out and r != but and procs[r].exitcode is not None]
+
     try:
         while len(out) < nproc:
             try:
-                rank, ok, value = results.get(timeout=1.0)
+                rank, ok, value, detail = results.get(timeout=1.0)
             except queue.Empty:
-                missing = [r for r in range(nproc) if r not in out]
-                dead = [r for r in missing if procs[r].exitcode is not None]
-                if dead and results.empty():
-                    raise RankError(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} without a result") from None
-                if time.monotonic() > deadline:
+                gone = dead()
+                if gone and results.empty():
+                    raise RankError(f"{_death(gone[0], procs[gone[0]], progress)}; the other ranks were "
+                                    f"stopped") from None
+                if deadline is not None and time.monotonic() > deadline:
+                    missing = [r for r in range(nproc) if r not in out]
                     raise RankError(f"ranks {missing} gave no result in {timeout:.0f} s") from None
                 continue
             if not ok:
-                raise RankError(value)
+                if detail is None:  # a collective failed: name a rank that died, if one did, as the cause
+                    until = time.monotonic() + 2.0
+                    while not dead(but=rank) and time.monotonic() < until:
+                        time.sleep(0.05)
+                    gone = dead(but=rank)
+                    if gone and procs[gone[0]].exitcode != 1:  # 1: it reported a failure of its own
+                        value = f"{_death(gone[0], procs[gone[0]], progress)}; the other ranks were stopped"
+                raise RankError(value, detail)
             out[rank] = value
     finally:
         for p in procs:
             p.join(timeout=30 if len(out) == nproc else 1)
             if p.is_alive():
                 p.kill()
+        for s, handler in saved.items():
+            signal.signal(s, handler)
     return [out[r] for r in range(nproc)]

@@ -10,6 +10,7 @@ from exactly the shapes a preset names.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from zerofunc.models.gpt2 import GPTConfig
@@ -53,6 +54,11 @@ def from_hf_dict(doc: dict) -> LlamaConfig | GPTConfig:
             raise ValueError(f"field {key!r} must be a positive integer, got {value!r}")
         return value
 
+    def positive_float(key: str, value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ValueError(f"field {key!r} must be a positive number, got {value!r}")
+        return float(value)
+
     if kind == "gpt2":
         if doc.get("n_inner") not in (None, 4 * need("n_embd")):
             raise ValueError(f"n_inner {doc['n_inner']} is not supported (zerofunc's GPT-2 MLP is 4 x n_embd)")
@@ -68,13 +74,17 @@ def from_hf_dict(doc: dict) -> LlamaConfig | GPTConfig:
         raise ValueError(f"hidden_act {doc['hidden_act']!r} is not supported (silu)")
     # RoPE settings: transformers 4 writes rope_theta and rope_scaling, 5 writes rope_parameters
     rope = doc.get("rope_parameters") or doc.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ValueError(f"field 'rope_scaling' must be an object, got {rope!r}")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    theta = float(rope.get("rope_theta", doc.get("rope_theta", 10000.0)))
+    theta = positive_float("rope_theta", rope.get("rope_theta", doc.get("rope_theta", 10000.0)))
     scaling = None
     if rope_type == "llama3":
         try:
-            scaling = RopeScaling(float(rope["factor"]), float(rope["low_freq_factor"]),
-                                  float(rope["high_freq_factor"]), int(rope["original_max_position_embeddings"]))
+            scaling = RopeScaling(positive_float("factor", rope["factor"]),
+                                  positive_float("low_freq_factor", rope["low_freq_factor"]),
+                                  positive_float("high_freq_factor", rope["high_freq_factor"]),
+                                  positive_int("original_max_position_embeddings", rope["original_max_position_embeddings"]))
         except KeyError as e:
             raise ValueError(f"rope scaling of type llama3 is missing {e.args[0]!r}") from None
     elif rope_type != "default":
@@ -92,7 +102,7 @@ def from_hf_dict(doc: dict) -> LlamaConfig | GPTConfig:
         n_kv_head=positive_int("num_key_value_heads", doc.get("num_key_value_heads", heads)),
         head_dim=None if doc.get("head_dim") is None else positive_int("head_dim"),
         block_size=positive_int("max_position_embeddings", doc.get("max_position_embeddings", _CONTEXT[kind])),
-        rope_theta=theta, rope_scaling=scaling, rms_norm_eps=float(doc.get("rms_norm_eps", _EPS)),
+        rope_theta=theta, rope_scaling=scaling, rms_norm_eps=positive_float("rms_norm_eps", doc.get("rms_norm_eps", _EPS)),
         tie_word_embeddings=bool(doc.get("tie_word_embeddings", False)),
         qkv_bias=kind == "qwen2" or bias, o_bias=bias and kind != "qwen2", mlp_bias=bool(doc.get("mlp_bias", False)),
         sliding_window=window, model_type=kind)

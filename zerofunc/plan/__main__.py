@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import replace
 
 from sim.hardware import profiles
+from zerofunc.config import MAX_BUCKET_MB, MAX_MICRO_BATCH_TOKENS, MAX_PREFETCH_DEPTH
 from zerofunc.models import MODELS
 from zerofunc.overlap import Overlap
 from zerofunc.plan import Plan
@@ -22,11 +24,28 @@ from zerofunc.plan.report import (GiB, as_json, as_table, lever_configs, lever_c
 from zerofunc.recompute import MODES
 
 MAX_AUTO_MICRO_BATCH = 64  # --levers auto without --micro-batch: the largest power of two that fits, up to this
+# Bounds past which a plan would overflow torch's sizes or run for minutes; far beyond any real cluster
+MAX_WORLD_SIZE = 2**20  # ranks: more accelerators than any cluster holds
+MAX_PARAMS = 2**50      # --params: a thousand times the largest models trained
+MAX_MEMORY_GIB = 2**20  # --gpu-memory, --host-memory: a PiB per rank
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's own complaints (a missing --world-size, a value that is not a number) as a ValueError, so
+    they end in one line and exit 2 like every other; --help still prints and exits 0."""
+
+    def error(self, message: str):
+        raise ValueError(message.replace("\n", "\\n"))
+
+    def _get_values(self, action, arg_strings):
+        if action.nargs is None and arg_strings == ["--"]:  # Python 3.11 reads "--seq=--" as an empty list
+            self.error(f"argument {'/'.join(action.option_strings)}: expected one argument")
+        return super()._get_values(action, arg_strings)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m zerofunc.plan",
-                                description="Simulate each ZeRO stage's per-rank memory and communication.")
+    p = ArgumentParser(prog="python -m zerofunc.plan",
+                       description="Simulate each ZeRO stage's per-rank memory and communication.")
     p.add_argument("--model", default="gpt2-small",
                    help=f"a Hugging Face config.json (llama, mistral, qwen2, gpt2), or one of {', '.join(MODELS)}")
     p.add_argument("--params", type=int, default=None,
@@ -66,25 +85,35 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = parse(argv)
     try:
-        if a.gpu_memory is not None and not a.gpu_memory > 0:
-            raise ValueError(f"--gpu-memory must be positive, got {a.gpu_memory}")
-        if a.host_memory is not None and not a.host_memory > 0:
-            raise ValueError(f"--host-memory must be positive, got {a.host_memory}")
+        a = parse(argv)
+        for flag, gib in (("--gpu-memory", a.gpu_memory), ("--host-memory", a.host_memory)):
+            if gib is not None and not 0 < gib <= MAX_MEMORY_GIB:
+                raise ValueError(f"{flag} must be positive, in GiB up to {MAX_MEMORY_GIB}, got {gib}")
         if a.micro_batch is not None and a.micro_batch < 1:
             raise ValueError(f"micro-batch must be at least 1, got {a.micro_batch}")
+        if a.params is not None and a.params > MAX_PARAMS:
+            raise ValueError(f"--params must be at most {MAX_PARAMS}, got {a.params}")
+        if not 0 <= a.prefetch_depth <= MAX_PREFETCH_DEPTH:
+            raise ValueError(f"--prefetch-depth must lie in [0, {MAX_PREFETCH_DEPTH}], got {a.prefetch_depth}")
+        if not 0 <= a.bucket_mb <= MAX_BUCKET_MB:
+            raise ValueError(f"--bucket-mb must lie in [0, {MAX_BUCKET_MB}], got {a.bucket_mb}")
         if a.plot is not None and not a.plot.lower().endswith(".png"):
             raise ValueError(f"--plot writes a PNG; give a file name ending in .png, not {a.plot!r}")
+        if a.plot is not None and not os.path.isdir(os.path.dirname(a.plot) or "."):  # before minutes of planning
+            raise ValueError(f"--plot {a.plot!r}: its directory {os.path.dirname(a.plot)!r} does not exist")
         stages = sorted(set(a.stage)) if a.stage else [0, 1, 2, 3]
         sizes, candidates = world_sizes(a.world_size, a.gpus_per_node, a.max_world_size)
         auto = a.levers == "auto"
         base = Plan(world_size=sizes[0], stage=stages[0], model=None if a.params is not None else a.model,
                     params=a.params, precision=a.precision, micro_batch=a.micro_batch or 1, seq=a.seq,
                     hardware=a.hardware, prefetch_depth=a.prefetch_depth,
-                    bucket_bytes=int(a.bucket_mb * 2**20) if a.bucket_mb >= 0 else -1,
+                    bucket_bytes=int(a.bucket_mb * 2**20),
                     activation_checkpointing=a.activation_checkpointing or "none", ac_every=a.ac_every,
                     offload_optimizer=a.offload_optimizer == "cpu")
+        if a.params is None and base.micro_batch * base.tokens > MAX_MICRO_BATCH_TOKENS:
+            raise ValueError(f"a micro-batch of {base.micro_batch} x {base.tokens} tokens is over the bound of "
+                             f"{MAX_MICRO_BATCH_TOKENS} tokens per rank")
         blocks = a.params is None  # a model of --params alone has no blocks to checkpoint
         checkpointing = ([a.activation_checkpointing or "none"] if a.activation_checkpointing or not auto
                          else ["none", "full", "selective"]) if blocks else ["none"]
@@ -132,6 +161,8 @@ def world_sizes(spec: str, gpus_per_node: int | None, max_world_size: int) -> tu
         raise ValueError(f"--gpus-per-node must be at least 1, got {gpus_per_node}")
     if max_world_size < 1:
         raise ValueError(f"--max-world-size must be at least 1, got {max_world_size}")
+    if max_world_size > MAX_WORLD_SIZE:
+        raise ValueError(f"--max-world-size must be at most {MAX_WORLD_SIZE}, got {max_world_size}")
     if spec.strip().lower() == "auto":
         candidates = world_size_candidates(max_world_size, gpus_per_node)
         return candidates[:1], candidates
@@ -141,6 +172,8 @@ def world_sizes(spec: str, gpus_per_node: int | None, max_world_size: int) -> tu
         raise ValueError(f"--world-size takes a number, a comma-separated list or auto, not {spec!r}") from None
     if sizes[0] < 1:
         raise ValueError(f"world size must be at least 1, got {sizes[0]}")
+    if sizes[-1] > MAX_WORLD_SIZE:
+        raise ValueError(f"world size must be at most {MAX_WORLD_SIZE}, got {sizes[-1]}")
     return sizes, None
 
 
