@@ -28,6 +28,7 @@ from zerofunc.models import MODELS, build_model, model_config
 from zerofunc.overlap import Overlap
 from zerofunc.recompute import MODES
 from zerofunc.units import partition
+from zerofunc.usage import ArgumentParser, UsageError
 
 # exit codes: each fault its own, so that a job script can tell them apart
 EXIT_RANK_FAILED = 1   # a rank raised, died, or a collective failed or timed out
@@ -38,23 +39,6 @@ EXIT_PREEMPTED = 75    # stopped on SIGTERM/SIGINT with a checkpoint: run again 
 EXIT_INTERRUPTED = 130 # a second SIGINT/SIGTERM: stopped at once, nothing saved
 EXIT_CODES = {"nonfinite": EXIT_NONFINITE, "save_failed": EXIT_SAVE_FAILED, "preempted": EXIT_PREEMPTED}
 DEFAULTS = dict(model="gpt2-tiny", stage=3, nproc=2, steps=1000, micro_batch=8, seq=128, lr=1e-3, seed=0)
-
-
-class UsageError(ValueError):
-    pass
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse's own complaints (an unknown flag, a value that is not a number) as a UsageError, so they
-    end in one line and exit 2 like every other; --help still prints and exits 0."""
-
-    def error(self, message: str):
-        raise UsageError(message.replace("\n", "\\n"))
-
-    def _get_values(self, action, arg_strings):
-        if action.nargs is None and arg_strings == ["--"]:  # Python 3.11 reads "--lr=--" as an empty list
-            self.error(f"argument {'/'.join(action.option_strings)}: expected one argument")
-        return super()._get_values(action, arg_strings)
 
 
 def parse(argv: list[str] | None) -> TrainArgs:

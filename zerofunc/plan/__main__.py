@@ -22,25 +22,13 @@ from zerofunc.plan.plot import plot
 from zerofunc.plan.report import (GiB, as_json, as_table, lever_configs, lever_costs, recommend, report_stages,
                                   smallest_fitting, world_size_candidates)
 from zerofunc.recompute import MODES
+from zerofunc.usage import ArgumentParser
 
 MAX_AUTO_MICRO_BATCH = 64  # --levers auto without --micro-batch: the largest power of two that fits, up to this
 # Bounds past which a plan would overflow torch's sizes or run for minutes; far beyond any real cluster
 MAX_WORLD_SIZE = 2**20  # ranks: more accelerators than any cluster holds
 MAX_PARAMS = 2**50      # --params: a thousand times the largest models trained
 MAX_MEMORY_GIB = 2**20  # --gpu-memory, --host-memory: a PiB per rank
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse's own complaints (a missing --world-size, a value that is not a number) as a ValueError, so
-    they end in one line and exit 2 like every other; --help still prints and exits 0."""
-
-    def error(self, message: str):
-        raise ValueError(message.replace("\n", "\\n"))
-
-    def _get_values(self, action, arg_strings):
-        if action.nargs is None and arg_strings == ["--"]:  # Python 3.11 reads "--seq=--" as an empty list
-            self.error(f"argument {'/'.join(action.option_strings)}: expected one argument")
-        return super()._get_values(action, arg_strings)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
