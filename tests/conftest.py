@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -34,3 +35,14 @@ def pytest_report_header(config):
     if not HYPOTHESIS:
         return f"hypothesis is not installed: {len(collect_ignore)} modules not collected ({', '.join(collect_ignore)})"
     return None
+
+
+@pytest.fixture(scope="module")
+def fuzz_dir(tmp_path_factory):
+    """Files the fuzz tests name in their drawn flags (tests/fuzz.py)."""
+    d = tmp_path_factory.mktemp("fuzz")
+    (d / "data.txt").write_bytes(bytes(range(256)) * 8)
+    (d / "empty.txt").write_bytes(b"")
+    (d / "list.json").write_text("[1, 2]")
+    (d / "broken.json").write_text('{"model_type": "gpt2",')
+    return d

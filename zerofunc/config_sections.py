@@ -3,7 +3,7 @@
 `zerofunc.config.parse` calls them in turn. Each reader knows which keys of its section
 zerofunc reads, which known DeepSpeed keys it ignores (reported in one warning), and
 what values are allowed: wrongly typed, non-finite or out-of-range values are refused
-here rather than met by a rank mid-run (tests/test_fuzz.py throws arbitrary JSON at them).
+here rather than met by a rank mid-run (tests/test_fuzz_train.py throws arbitrary JSON at them).
 """
 from __future__ import annotations
 
