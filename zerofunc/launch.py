@@ -110,7 +110,8 @@ def is_comm_failure(e: BaseException) -> bool:
 
 
 def comm_failure_line(rank: int, e: BaseException) -> str:
-    text = re.sub(r"^\[[^\]]*\] ", "", str(e).strip().splitlines()[0])  # gloo's [file:line] prefix
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    text = re.sub(r"^\[[^\]]*\] ", "", first)  # gloo's [file:line] prefix
     text = text.split(". This is typically caused")[0]
     where = f"during step {_step}" if _step else "before the first step"
     if re.search(r"[Tt]imed? ?out|timeout", text):
