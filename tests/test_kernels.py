@@ -92,6 +92,26 @@ def test_adamw_kernel_matches_the_reference(n, grad_dtype, out_dtype, betas, ste
     assert not torch.equal(ours[1], torch.zeros_like(ours[1]))
 
 
+@pytest.mark.parametrize("grad_dtype, grad_scale", [(torch.float32, 1.0), (torch.float32, 0.73),
+                                                    (torch.bfloat16, 0.25), (torch.float16, 0.37)])
+def test_torch_fused_adamw_is_the_reference_within_an_ulp(grad_dtype, grad_scale):
+    """The CPU update (torch's fused kernel, given 1 / grad_scale) against the reference, 3 steps of a
+    shard that is no multiple of any vector width."""
+    cfg = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    gen = torch.Generator().manual_seed(1)
+    init = torch.randn(10_007, generator=gen)
+    ref, ours = ([init.clone(), torch.zeros(10_007), torch.zeros(10_007)] for _ in range(2))
+    ref_out, out = torch.empty(10_007, dtype=torch.bfloat16), torch.empty(10_007, dtype=torch.bfloat16)
+    for step in (1, 2, 3):
+        grad = torch.randn(10_007, generator=gen).to(grad_dtype)
+        fused.adamw_reference_(*ref[:1], grad, *ref[1:], step, cfg, grad_scale=grad_scale, out=ref_out)
+        fused.adamw_torch_fused_(*ours[:1], grad, *ours[1:], step, cfg, grad_scale=grad_scale, out=out)
+    for a, b in zip(ours, ref):
+        ok, diff, tol = close(a, b)
+        assert ok, (diff, tol)
+    assert (out.float() - ref_out.float()).abs().max() <= 2 ** -7 * ref_out.float().abs().max()  # one bf16 ulp
+
+
 def test_adamw_reference_is_adamw_on_the_scaled_gradient_and_runs_on_meta():
     cfg = AdamWConfig(lr=1e-2, weight_decay=0.1)
     gen = torch.Generator().manual_seed(0)

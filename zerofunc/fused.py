@@ -6,10 +6,10 @@ master shard, then round it to 16 bits for the forward or for the all-gather. As
 separate torch ops that is about ten passes over memory and several shard-sized
 temporaries; fused, it is one pass per kernel and no temporaries.
 
-Each kernel has a torch reference with the same signature. The reference is what runs
-on CPU and on meta tensors (the planner simulates a step with it, so its memory is
-what is predicted), and what the kernel is tested against. `adamw_fused_` and
-`unscale_` pick one: the Triton kernel on CUDA, the reference elsewhere;
+Each kernel has a torch reference with the same signature, which the kernel is tested
+against. `adamw_fused_` and `unscale_` pick one: the Triton kernel on CUDA; elsewhere
+the reference, except that AdamW on CPU and on meta tensors (the planner simulates a
+step with them, so their memory is what is predicted) runs torch's fused CPU kernel;
 `ZEROFUNC_TRITON=0` forces the reference, and `ZEROFUNC_TRITON=1` with
 `TRITON_INTERPRET=1` runs the kernels on CPU through Triton's interpreter (tests).
 """
@@ -101,9 +101,34 @@ def adamw_triton_(param: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: t
 
 
 def adamw_fused_(param, grad, m, v, step, cfg, lr=None, grad_scale=1.0, out=None) -> None:
-    """AdamW on a flat fp32 shard (see `adamw_reference_`), fused where `use_triton` says so."""
-    impl = adamw_triton_ if use_triton(param) else adamw_reference_
+    """AdamW on a flat fp32 shard (see `adamw_reference_`): the Triton kernel where `use_triton`
+    says so, else torch's fused kernel on CPU and meta (the planner's), else the reference."""
+    if use_triton(param):
+        impl = adamw_triton_
+    elif param.device.type in ("cpu", "meta"):
+        impl = adamw_torch_fused_
+    else:
+        impl = adamw_reference_
     impl(param, grad, m, v, step, cfg, lr=lr, grad_scale=grad_scale, out=out)
+
+
+@torch.no_grad()
+def adamw_torch_fused_(param: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: int,
+                       cfg: AdamWConfig, lr: Optional[float] = None, grad_scale: float = 1.0,
+                       out: Optional[torch.Tensor] = None) -> None:
+    """`adamw_reference_` through torch's fused AdamW (`torch._fused_adamw_`, vectorized on CPU): one
+    pass over param, grad, m and v instead of the reference's seven, and no temporary for an fp32
+    gradient. The kernel divides the gradient by its `grad_scale`, so it is given 1 / grad_scale:
+    within an ulp of the reference's product, and exactly it for powers of two."""
+    lr = cfg.lr if lr is None else lr
+    g = grad if grad.dtype == torch.float32 else grad.float()  # the kernel takes one dtype
+    scale = None if grad_scale == 1.0 else torch.full((), 1.0 / grad_scale, device=param.device)
+    steps = torch.full((), float(step), device=param.device)
+    torch._fused_adamw_([param], [g], [m], [v], [], [steps], amsgrad=False, lr=lr, beta1=cfg.betas[0],
+                        beta2=cfg.betas[1], weight_decay=cfg.weight_decay, eps=cfg.eps, maximize=False,
+                        grad_scale=scale)
+    if out is not None:
+        out.copy_(param)
 
 
 # ---- unscaling with a finite check -----------------------------------------------------------
