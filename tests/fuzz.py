@@ -255,3 +255,15 @@ def ill_typed(raw: dict, spec: dict = SCHEMA, prefix: str = "") -> list[str]:
         elif spec[key][1] is not None and value is not None and not kind_ok(value, spec[key][1]):
             bad.append(prefix + key)
     return bad
+
+
+def covering(candidates: list, features, limit: int) -> tuple[list, set]:
+    """Up to `limit` of `candidates`, greedily the one with the most features not yet covered
+    first; (the chosen, the features they cover)."""
+    candidates, chosen, seen = list(candidates), [], set()
+    while candidates and len(chosen) < limit:
+        best = max(candidates, key=lambda c: len(features(c) - seen))
+        candidates.remove(best)
+        chosen.append(best)
+        seen |= features(best)
+    return chosen, seen

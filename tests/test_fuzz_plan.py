@@ -15,7 +15,7 @@ import zerofunc.plan.__main__ as plan_cli
 from sim.hardware import profiles
 from zerofunc.config import MAX_MICRO_BATCH_TOKENS, MAX_PREFETCH_DEPTH
 from zerofunc.recompute import MODES
-from tests.fuzz import (FLOAT_ODD, FUZZ, HUGE, INT_ODD, TRIED, WORD_ODD, at_dir, flag_lists, ints,
+from tests.fuzz import (FLOAT_ODD, FUZZ, HUGE, INT_ODD, TRIED, WORD_ODD, at_dir, covering, flag_lists, ints,
                         one_error_line, words)
 
 
@@ -143,12 +143,7 @@ def test_fuzzed_plan_flags_plan_or_exit_2_with_one_line(fuzz_dir, monkeypatch):
     print(f"\nplan fuzz: {sum(tried.values())} cases: {dict(tried)}")
     assert tried["plan", "planned"] >= 20 and tried["plan", "refused"] >= 100
     # a few cheap accepted cases, planned for real: exit 0 and a table or JSON on stdout
-    real, seen = [], set()
-    while cheap and len(real) < REAL_PLANS:  # the most features not yet planned, first
-        best = max(cheap, key=lambda c: len(_plan_features(c) - seen))
-        cheap.remove(best)
-        real.append(best)
-        seen |= _plan_features(best)
+    real, seen = covering(cheap, _plan_features, REAL_PLANS)
     assert len(real) >= 3
     for argv in real:
         out, err = io.StringIO(), io.StringIO()

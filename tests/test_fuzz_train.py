@@ -28,8 +28,8 @@ import train.data
 from train.data import rank_batch
 from zerofunc.config import MAX_GLOBAL_BATCH, MAX_MICRO_BATCH_TOKENS, MAX_PREFETCH_DEPTH, MAX_RANKS_PER_CORE
 from zerofunc.recompute import MODES
-from tests.fuzz import (FLOAT_ODD, FUZZ, HUGE, INT_ODD, TRIED, WORD_ODD, at_dir, config_files, flag_lists,
-                        ill_typed, ints, one_error_line, words)
+from tests.fuzz import (FLOAT_ODD, FUZZ, HUGE, INT_ODD, TRIED, WORD_ODD, at_dir, config_files, covering,
+                        flag_lists, ill_typed, ints, one_error_line, words)
 
 
 TRAIN_FLAGS = {
@@ -256,12 +256,7 @@ def test_accepted_fuzz_cases_train_one_step(fuzz_dir, monkeypatch, tmp_path):
                 ("checkpointing", cfg.checkpointing.mode), ("schedule", cfg.schedule is not None),
                 ("clip", cfg.clip > 0), ("accumulation", cfg.grad_accum > 1), ("dropout", args.dropout > 0)}
 
-    cases, seen = [], set()
-    while candidates and len(cases) < REAL_RUNS:  # the most features not yet trained, first
-        best = max(candidates, key=lambda c: len(features(c) - seen))
-        candidates.remove(best)
-        cases.append(best)
-        seen |= features(best)
+    cases, seen = covering(candidates, features, REAL_RUNS)
     assert len(cases) >= 3, accepted
     results = in_world(2, train_cases, cases)[0]
     print(f"\ntrained for real: {len(cases)} accepted cases, covering {sorted(seen)}")

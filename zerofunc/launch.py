@@ -69,10 +69,28 @@ def init_torchrun(backend: str, comm_timeout: float = DEFAULT_COMM_TIMEOUT_S) ->
 
 # ---- what a rank tells: its step, a stop request, a failure in one line -----------------------------
 
+class StopRequests:
+    """Signals to stop: the first is a request (`arrive` says True), one more at least
+    `REPEAT_S` later a demand to stop at once (KeyboardInterrupt), copies in between nothing."""
+
+    def __init__(self):
+        self.signal: Optional[str] = None
+        self._first = 0.0
+
+    def arrive(self, signum) -> bool:
+        now = time.monotonic()
+        if self.signal is None:
+            self.signal, self._first = signal.Signals(signum).name, now
+            return True
+        if now - self._first > REPEAT_S:
+            raise KeyboardInterrupt
+        return False
+
+
 _progress = None  # the launcher's table of each rank's current step (shared memory); None under torchrun
 _step = 0
 _comm_timeout = DEFAULT_COMM_TIMEOUT_S
-_stop: dict = {}  # the first stop request: {"signal": name, "at": monotonic time}
+_requests = StopRequests()  # this process's
 
 
 def mark_step(step: int) -> None:
@@ -85,15 +103,11 @@ def mark_step(step: int) -> None:
 
 def stop_signal() -> Optional[str]:
     """The name of the signal that asked this process to stop (SIGTERM, SIGINT), or None."""
-    return _stop.get("signal")
+    return _requests.signal
 
 
 def _on_signal(signum, frame) -> None:
-    now = time.monotonic()
-    if not _stop:
-        _stop.update(signal=signal.Signals(signum).name, at=now)
-    elif now - _stop["at"] > REPEAT_S:
-        raise KeyboardInterrupt  # a second request: stop at once
+    _requests.arrive(signum)
 
 
 def catch_stop_signals() -> None:
@@ -181,16 +195,13 @@ def spawn(fn: Callable[..., Any], nproc: int, *args, backend: str = "gloo", time
     procs = [ctx.Process(target=_rank_main, daemon=True,
                          args=(r, nproc, port, backend, comm_timeout, progress, results, fn, args))
              for r in range(nproc)]
-    forwarded: list[float] = []
+    requests = StopRequests()
 
     def forward(signum, frame):
-        if not forwarded:
-            forwarded.append(time.monotonic())
+        if requests.arrive(signum):
             for p in procs:
                 if p.is_alive():
                     os.kill(p.pid, signal.SIGTERM)
-        elif time.monotonic() - forwarded[0] > REPEAT_S:
-            raise KeyboardInterrupt
 
     main_thread = threading.current_thread() is threading.main_thread()
     saved = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
