@@ -28,6 +28,10 @@ training runs 2 ranks on 2 cores):
   also holds per-op fits, a relative-error-weighted joint fit, and a joint fit to the
   25th-percentile times (the calls that escaped the ~4 ms scheduler stalls), and
   `measured.joint_fit_rel_error` gives (model - measured) / measured per point.
+  Since no line fits gloo (its all-gather is quick up to some tens of MiB, then
+  falls off a cliff), `link.op_seconds` keeps the medians themselves, per op, keyed
+  by the bytes each rank sends in the ring ((n-1)/n of the payload, twice that for an
+  all-reduce): the planner interpolates them, and chooses each collective by them.
 
 Other work on the machine skews everything (2 cores, 2 busy ranks): run it on an idle
 machine; `measured.setup.loadavg_1min_before` records the 1-minute load average seen at
@@ -37,7 +41,9 @@ Prints one JSON object to stdout; progress goes to stderr. Takes about 10-20 s o
 Xeon.
 
 Usage:  python benchmarks/measure_cpu_profile.py > profile.json
-        (add --raw to keep every repeat's time per rank in `measured`)
+        (add --raw to keep every repeat's time per rank in `measured`;
+         --record to also write flops, memory_bandwidth and the links into the
+         cpu-gloo profile of sim/profiles.json, which every plan for this machine reads)
 """
 from __future__ import annotations
 
@@ -64,7 +70,8 @@ MM_POINT_BUDGET_S = 4.0     # cap on timed time per (dtype, n)
 MM_SKIP_CALL_S = 3.0        # a single call slower than this: skip this and larger n
 BW_BYTES = 64 << 20
 BW_REPEATS = 10
-COMM_SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
+# gloo's all-gather falls off a cliff between 16 and 64 MiB; a block of a 30M-120M GPT is 20-28 MB
+COMM_SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 8 << 20, 16 << 20, 24 << 20, 32 << 20, 48 << 20, 64 << 20)
 COMM_WARMUP = 3
 # Small payloads get more repeats: on this 2-core VM their times are bimodal (~0.2-0.4 ms,
 # or ~3.5-4 ms, one 250 Hz scheduler tick, for 20-50% of calls), so a handful of samples
@@ -221,7 +228,7 @@ def _public(fit: dict) -> dict:
     return {k: v for k, v in fit.items() if not k.startswith("_")}
 
 
-def main(raw: bool = False) -> None:
+def main(raw: bool = False, record: bool = False) -> None:
     start = time.perf_counter()
     load_before = os.getloadavg()[0]
     results = spawn(_rank_work, NPROC)
@@ -274,7 +281,11 @@ def main(raw: bool = False) -> None:
     profile = {
         "flops": flops,
         "memory_bandwidth": mem_bw,
-        "link": {"alpha_s": joint["alpha_s"], "bandwidth": joint["bandwidth"]},
+        "link": {"alpha_s": joint["alpha_s"], "bandwidth": joint["bandwidth"],
+                 "op_bandwidth": {op: fit["bandwidth"] for op, fit in per_op.items()},
+                 "op_seconds": {op: [[_coeffs(op, n)[1] * size, comm_median[op][str(size)]] for size in COMM_SIZES]
+                                for op in OPS},
+                 "measured_ranks": n},
         "measured": {
             "setup": {"nproc": n, "backend": "gloo", "threads_per_rank": 1, "torch": torch.__version__,
                       "cpu_capability": torch.backends.cpu.get_cpu_capability(),
@@ -309,7 +320,14 @@ def main(raw: bool = False) -> None:
     print(f"[measure] done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     json.dump(profile, sys.stdout, indent=1)
     sys.stdout.write("\n")
+    if record:
+        from sim.hardware import record_measured
+        figures = {"flops": flops, "memory_bandwidth": mem_bw, "intra_node": profile["link"],
+                   "inter_node": profile["link"]}
+        where = record_measured("cpu-gloo", figures, f"benchmarks/measure_cpu_profile.py --record, "
+                                f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, load {load_before:.2f} before")
+        print(f"[measure] recorded into {where}", file=sys.stderr)
 
 
 if __name__ == "__main__":
-    main(raw="--raw" in sys.argv[1:])
+    main(raw="--raw" in sys.argv[1:], record="--record" in sys.argv[1:])

@@ -1,41 +1,92 @@
-"""Communication time from a ledger, with the ring alpha-beta model.
+"""Communication time from a ledger, with the ring alpha-beta model or measured times.
 
 n ranks, S bytes of payload, link latency alpha and bus bandwidth B:
   all-reduce                     2(n-1) alpha + 2(n-1)/n * S/B
   all-gather, reduce-scatter,
   broadcast (pipelined ring)      (n-1) alpha +  (n-1)/n * S/B
+
+Where a backend's times do not follow one line in S (gloo on CPU: its all-gather is
+quick up to a few tens of MiB and then falls off a cliff, its reduce-scatter is slower
+than its all-reduce at every size that matters), a link carries the measured times
+themselves, per op, and the time of a collective is read off them.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Iterable
 
 from sim.ledger import LedgerEntry
 
 
+def _hops(op: str, n: int) -> int:
+    return 2 * (n - 1) if op == "all_reduce" else n - 1
+
+
 @dataclass(frozen=True)
 class Link:
     alpha_s: float    # per-hop latency
     bandwidth: float  # bus bandwidth, bytes/s
-    # Where one bandwidth does not fit every collective (gloo on CPU: its all-reduce is
-    # faster than its all-gather), a measured bandwidth per op overrides it.
+    # Where one bandwidth does not fit every collective, a fitted bandwidth per op overrides it.
     op_bandwidth: dict[str, float] = field(default_factory=dict)
+    # Measured: op -> ((bytes each rank sends in a ring, seconds), ...) in ascending bytes, taken
+    # on a group of `measured_ranks`. Between points the time is interpolated, past the last one
+    # extrapolated along the last segment; another group size adds or removes alpha per hop.
+    op_seconds: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    measured_ranks: int = 2
 
     def __post_init__(self) -> None:
         if self.alpha_s < 0 or min([self.bandwidth, *self.op_bandwidth.values()]) <= 0:
             raise ValueError(f"a link needs alpha >= 0 and bandwidths > 0, got {self}")
+        for op, points in self.op_seconds.items():
+            sizes = [s for s, _ in points]
+            if len(points) < 2 or sizes != sorted(set(sizes)) or min(t for _, t in points) < 0:
+                raise ValueError(f"measured times of {op} need 2 or more points in ascending bytes, got {points}")
 
     def bandwidth_of(self, op: str) -> float:
         return self.op_bandwidth.get(op, self.bandwidth)
 
+    def time(self, op: str, ring_bytes: float, n: int) -> float:
+        """Seconds for one collective `op` over `n` ranks, each sending `ring_bytes`."""
+        if n <= 1:
+            return 0.0
+        points = self.op_seconds.get(op)
+        if points is None:
+            return _hops(op, n) * self.alpha_s + ring_bytes / self.bandwidth_of(op)
+        extra_hops = (_hops(op, n) - _hops(op, self.measured_ranks)) * self.alpha_s
+        return max(0.0, _interpolate(points, ring_bytes) + extra_hops)
+
+
+def _interpolate(points: tuple[tuple[float, float], ...], x: float) -> float:
+    """Piecewise linear through the points; the first point's time below it (the latency floor),
+    the last segment's slope beyond the last point (the bandwidth)."""
+    if x <= points[0][0]:
+        return points[0][1]
+    i = min(bisect.bisect_left([s for s, _ in points], x), len(points) - 1)
+    (x0, t0), (x1, t1) = points[i - 1], points[i]
+    return t0 + (t1 - t0) * (x - x0) / (x1 - x0)
+
 
 def collective_time(entry: LedgerEntry, link: Link) -> float:
-    n = entry.group_size
-    if n <= 1:
-        return 0.0
-    hops = 2 * (n - 1) if entry.op == "all_reduce" else n - 1
-    return hops * link.alpha_s + entry.ring_bytes_per_rank / link.bandwidth_of(entry.op)
+    return link.time(entry.op, entry.ring_bytes_per_rank, entry.group_size)
 
 
 def ledger_time(entries: Iterable[LedgerEntry], link: Link) -> float:
     return sum(collective_time(e, link) for e in entries)
+
+
+# An all-reduce stands in for a collective only if it takes at most this fraction of its time:
+# medians of gloo's small collectives scatter by more than 10% on these machines (scheduler
+# stalls), and an all-gather done as an all-reduce also fills the buffer with zeros first.
+ALL_REDUCE_MARGIN = 0.9
+
+
+def faster_as_all_reduce(op: str, nbytes: int, n: int, link: Link | None) -> bool:
+    """Whether a reduce-scatter or all-gather of `nbytes` (the full buffer) over `n` ranks is
+    clearly quicker done as an all-reduce of that buffer, by the link's rates. An all-reduce
+    moves twice the bytes, so it wins only where the backend's own op is slow (gloo); on a link
+    with one bandwidth for every op (NCCL's profiles) it never does."""
+    if link is None or n <= 1 or op not in ("reduce_scatter", "all_gather"):
+        return False
+    as_is = collective_time(LedgerEntry(op, "", nbytes, n), link)
+    return collective_time(LedgerEntry("all_reduce", "", nbytes, n), link) < ALL_REDUCE_MARGIN * as_is

@@ -61,12 +61,17 @@ def profiles() -> dict[str, Profile]:
                             memory_bytes=int(p["memory_gib"] * 2**30), reserved_bytes=int(p["reserved_gib"] * 2**30),
                             flops=p["flops"], compute_efficiency=p["compute_efficiency"],
                             memory_bandwidth=p["memory_bandwidth"], devices_per_node=p["devices_per_node"],
-                            intra_node=Link(**p["intra_node"]), inter_node=Link(**p["inter_node"]),
+                            intra_node=_link(p["intra_node"]), inter_node=_link(p["inter_node"]),
                             attention=p["attention"], collective_staging=p.get("collective_staging", {}),
                             sources=p["sources"], device_names=tuple(p.get("device_names", ())),
                             host_memory_bytes=int(p["host_memory_gib"] * 2**30),
                             host_link_bandwidth=p["host_link_bandwidth"], cpu_adamw_params_per_s=p["cpu_adamw_params_per_s"])
     return out
+
+
+def _link(raw: dict) -> Link:
+    measured = {op: tuple((float(s), float(t)) for s, t in points) for op, points in raw.get("op_seconds", {}).items()}
+    return Link(**{**raw, "op_seconds": measured})
 
 
 def profile_for_device(device_name: str) -> Profile:

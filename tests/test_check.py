@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sim.hardware import profile_for_device, record_measured
+from sim.hardware import get_profile, profile_for_device, record_measured
 from zerofunc.check.__main__ import main as check_main
 from zerofunc.check.cells import Cell
 
@@ -100,32 +100,47 @@ def test_a_wider_gpt_at_64_ranks():
 
 
 def _twin_world_collectives():
-    """What the collectives leave behind in a simulated world of 4, through the project's communicator."""
+    """What the collectives leave behind in a simulated world of 4, through the project's communicator:
+    by the rates of gloo it stands in for, and with every collective issued as an all-reduce."""
+    from tests.worlds import COLLECTIVE_RULES
     from zerofunc.check.world import simulated_world
 
+    out = []
     with simulated_world(4) as comm:
-        gathered, scattered, summed = torch.zeros(8), torch.zeros(2), torch.arange(3.0)
-        comm.all_gather(gathered, torch.tensor([1.0, 2.0]))
-        comm.reduce_scatter(scattered, torch.arange(8.0))
-        comm.all_reduce(summed)
+        stood_in = comm.link
+        for link in (stood_in, COLLECTIVE_RULES["all-reduce"]):
+            comm.link = link
+            comm.ledger.clear()
+            gathered, scattered, summed = torch.zeros(8), torch.zeros(2), torch.arange(3.0)
+            comm.all_gather(gathered, torch.tensor([1.0, 2.0]))
+            comm.reduce_scatter(scattered, torch.arange(8.0))
+            comm.all_reduce(summed)
+            out.append((gathered.tolist(), scattered.tolist(), summed.tolist(),
+                        [(e.op, e.nbytes, e.group_size) for e in comm.ledger]))
         try:
             with simulated_world(2):
                 nested = "no error"
         except RuntimeError as e:
             nested = str(e)
-        ledger = [(e.op, e.nbytes, e.group_size) for e in comm.ledger]
-    return gathered.tolist(), scattered.tolist(), summed.tolist(), nested, ledger
+    return out, nested, stood_in == get_profile("cpu-gloo").link(4)
 
 
 def test_a_simulated_world_is_rank_0_among_twins():
     """Every rank holds rank 0's data: gathers tile its shard, a mean-reduce-scatter keeps its slice,
-    on every torch (2.11's fake group leaves the reduce-scatter's output untouched; the world writes it)."""
-    gathered, scattered, summed, nested, ledger = in_fresh_process(_twin_world_collectives)
-    assert gathered == [1.0, 2.0] * 4
-    assert scattered == [0.0, 1.0]
-    assert summed == [0.0, 1.0, 2.0]
+    on every torch (2.11's fake group leaves the reduce-scatter's output untouched; the world writes it),
+    whichever op each collective is issued as. A CPU world chooses them by gloo's rates."""
+    from sim.cost import faster_as_all_reduce
+    runs, nested, gloo_rates = in_fresh_process(_twin_world_collectives)
+    assert gloo_rates
+    link = get_profile("cpu-gloo").link(4)
+    for i, (gathered, scattered, summed, ledger) in enumerate(runs):
+        assert gathered == [1.0, 2.0] * 4
+        assert scattered == [0.0, 1.0]
+        assert summed == [0.0, 1.0, 2.0]
+        ops = [op if i == 0 and not faster_as_all_reduce(op, 32, 4, link) else "all_reduce"
+               for op in ("all_gather", "reduce_scatter")]
+        assert ledger == [(ops[0], 32, 4), (ops[1], 32, 4), ("all_reduce", 12, 4)]
     assert "already running" in nested
-    assert ledger == [("all_gather", 32, 4), ("reduce_scatter", 32, 4), ("all_reduce", 12, 4)]
 
 
 def test_failures_name_what_disagrees():

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from hypothesis import given, settings, strategies as st
 
 from tests.bare import OPTIM, close, in_world, rel_err
-from tests.worlds import Case, IN_RANK, agreed_max, global_batches, reference_model, small_cases
+from tests.worlds import COLLECTIVE_RULES, Case, IN_RANK, agreed_max, global_batches, reference_model, small_cases
 from zerofunc.comm import DistCommunicator
 from zerofunc.engine import ZeroEngine
 from zerofunc.models import build_model
@@ -27,16 +27,19 @@ TOL = 1e-5
 class Training:
     """How a case trains: micro-steps per optimizer step, the clipping norm (0: off), and how
     much communication is in flight (prefetch depth; bucket bytes: 0 waits for every
-    reduction at once, 4 KiB lets a few small blocks' reductions run behind backward)."""
+    reduction at once, 4 KiB lets a few small blocks' reductions run behind backward), and
+    the rule that chooses each collective (tests.worlds.COLLECTIVE_RULES)."""
 
     grad_accum: int
     clip: float
     overlap: Overlap = Overlap()
+    collectives: str = "gloo's rates"
 
 
 trainings = st.builds(Training, grad_accum=st.integers(1, 3), clip=st.sampled_from([0.0, 0.05]),
                       overlap=st.builds(Overlap, prefetch_depth=st.integers(0, 2),
-                                        bucket_bytes=st.sampled_from([0, 4096, DEFAULT_BUCKET_BYTES])))
+                                        bucket_bytes=st.sampled_from([0, 4096, DEFAULT_BUCKET_BYTES])),
+                      collectives=st.sampled_from(list(COLLECTIVE_RULES)))
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,7 @@ def reference_run(case: Case, training: Training, world_size: int):
 
 def engine_run(case: Case, training: Training, stage: int, levers: Levers | None = None):
     """The same global batches on this rank's engine: micro-step j of rank r takes micro-batch j*N + r."""
-    comm = DistCommunicator()
+    comm = DistCommunicator(link=COLLECTIVE_RULES[training.collectives])
     rank, world = comm.rank, comm.world_size
     with torch.device("meta"):
         model = build_model(case.cfg)

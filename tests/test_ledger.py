@@ -1,4 +1,5 @@
-"""One step's ledger matches the ZeRO paper's volumes, and the simulated step's ledger.
+"""One step's ledger: the ZeRO paper's volumes where the backend's rates keep the paper's collectives,
+the volume actually sent where they do not, and the simulated step's ledger, entry by entry.
 
 What is counted: Ψ is the number of parameters; each unit's flat buffer is padded to
 a multiple of the world size, so the buffers hold Ψp = Σ padded(unit) >= Ψ elements,
@@ -11,6 +12,13 @@ reduce-scatter of S bytes is S. Per rank, a ring sends (N-1)/N of that.
   stage 3:   all-gather Ψp in forward + all-gather Ψp in backward
              + reduce-scatter Ψp of gradients                    = 3Ψp
 Each unit appears exactly once in each line.
+
+The rule per backend: on a link with one bandwidth for every op (NCCL's profiles, or no
+rates at all) every collective is the paper's. On gloo, whose measured reduce-scatter and
+large all-gathers are slower than its all-reduce (the cpu-gloo profile), a unit's
+reduce-scatter or all-gather is issued as an all-reduce of the same buffer wherever the
+profile's times make that at least 10% quicker; the ledger then holds the all-reduce, so
+its volume is what was sent (2S where the paper counts S).
 """
 from __future__ import annotations
 
@@ -21,14 +29,17 @@ import torch
 from hypothesis import given, settings
 
 from tests.bare import in_world
-from tests.worlds import IN_RANK, agreed_max, global_batches, small_cases
+from tests.worlds import COLLECTIVE_RULES, IN_RANK, agreed_max, global_batches, small_cases
+from sim.cost import faster_as_all_reduce
+from sim.hardware import get_profile
+from sim.ledger import VOLUME_FACTOR
 from zerofunc.comm import DistCommunicator, RecordingCommunicator
 from zerofunc.engine import ZeroEngine
 from zerofunc.models import GPT, build_model
 from zerofunc.optim import AdamWConfig
 from zerofunc.stages import STAGES
 
-EXPECTED = {  # stage -> {(op, tag) each unit appears in once}
+PAPER = {  # stage -> {(op, tag) each unit appears in once}, the paper's collectives
     0: {("all_reduce", "grads")},
     1: {("reduce_scatter", "grads"), ("all_gather", "params.step")},
     2: {("reduce_scatter", "grads"), ("all_gather", "params.step")},
@@ -50,13 +61,19 @@ def one_step(case, stage, comm, device):
     return engine
 
 
+def issued(op: str, nbytes: int, n: int, link) -> str:
+    """The rule: the paper's op, or an all-reduce where the link's rates make that at least 10% quicker."""
+    return "all_reduce" if faster_as_all_reduce(op, nbytes, n, link) else op
+
+
 def check_ledgers(max_examples):
     @settings(IN_RANK, max_examples=max_examples)
     @given(case=small_cases())
     def prop(case):
         for stage in STAGES:
-            comm = DistCommunicator()
+            comm = DistCommunicator()  # gloo, choosing by the cpu-gloo profile's rates
             n = comm.world_size
+            assert comm.link == get_profile("cpu-gloo").link(n)
             engine = one_step(case, stage, comm, "cpu")
             padded = [u.layout.padded_numel for u in engine.units]
             psi, psi_p = engine.numel, sum(padded)
@@ -67,25 +84,48 @@ def check_ledgers(max_examples):
             norms = [(e.op, e.nbytes) for e in comm.ledger.entries if e.tag == "grad_norm"]
             assert norms == ([] if stage == 0 else [("all_reduce", 4)])
             entries = [e for e in comm.ledger.entries if e.tag != "grad_norm"]
-            by_kind = Counter((e.op, e.tag) for e in entries)
-            assert set(by_kind) == EXPECTED[stage], f"stage {stage}: {sorted(by_kind)}"
-            for kind in EXPECTED[stage]:
-                sizes = sorted(e.nbytes for e in entries if (e.op, e.tag) == kind)
-                assert sizes == sorted(4 * p for p in padded), f"stage {stage} {kind}: {sizes} vs units {padded}"
+            assert {e.tag for e in entries} == {tag for _, tag in PAPER[stage]}, f"stage {stage}: {entries}"
+            volume = 0
+            for op, tag in PAPER[stage]:  # each unit once per line, as the op gloo's rates choose
+                got = sorted((e.op, e.nbytes) for e in entries if e.tag == tag)
+                want = sorted((issued(op, 4 * p, n, comm.link), 4 * p) for p in padded)
+                assert got == want, f"stage {stage} {tag}: {got} vs units {want}"
+                volume += sum(VOLUME_FACTOR[o] * b for o, b in want)
             assert all(e.group_size == n and e.dtype == "float32" for e in entries)
-            volume = sum(e.volume_bytes for e in entries)
-            assert volume == PAPER_FACTOR[stage] * 4 * psi_p
+            assert sum(e.volume_bytes for e in entries) == volume  # the volume sent
             ring = sum(e.ring_bytes_per_rank for e in entries)
             assert ring == pytest.approx(volume * (n - 1) / n)
 
-            # The same step on meta tensors with the recording communicator: same ledger.
-            simulated = RecordingCommunicator(comm.rank, n)
+            # The same step on meta tensors with the recording communicator and gloo's rates: same ledger.
+            simulated = RecordingCommunicator(comm.rank, n, link=get_profile("cpu-gloo").link(n))
             one_step(case, stage, simulated, "meta")
             mismatch = float(simulated.ledger.entries != comm.ledger.entries)
             assert agreed_max(mismatch) == 0, f"stage {stage}: simulated ledger differs from executed"
 
+            # NCCL's rates (an H100 node), or none: the paper's collectives and volumes exactly.
+            for link in (None, get_profile("h100-sxm").link(n)):
+                paper = RecordingCommunicator(comm.rank, n, link=link)
+                one_step(case, stage, paper, "meta")
+                kinds = Counter((e.op, e.tag) for e in paper.ledger.entries if e.tag != "grad_norm")
+                assert set(kinds) == PAPER[stage] and all(c == len(padded) for c in kinds.values())
+                assert paper.ledger.volume_bytes("grads", "params") == PAPER_FACTOR[stage] * 4 * psi_p
+
     prop()
     return True
+
+
+def test_gloo_rule_states_what_the_profile_measured():
+    """The cpu-gloo profile's own measurements at 64 MiB on 2 ranks: the reduce-scatter and the
+    all-gather each take at least 1.5x the all-reduce of the same buffer, so both are issued as
+    all-reduces; on an H100 node's links, and with no rates, never."""
+    link = get_profile("cpu-gloo").link(2)
+    times = {op: dict(link.op_seconds[op]) for op in ("reduce_scatter", "all_gather", "all_reduce")}
+    payload = 64 << 20
+    for op in ("reduce_scatter", "all_gather"):
+        assert times[op][payload / 2] >= 1.5 * times["all_reduce"][payload]  # ring bytes: S/2, and S for all-reduce
+        assert issued(op, payload, 2, link) == "all_reduce"
+        for other in (get_profile("h100-sxm").link(8), None):
+            assert all(issued(op, s, 8, other) == op for s in (4, 1 << 20, 1 << 30))
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -113,3 +153,37 @@ def test_accumulation_communicates_as_the_stage_says(stage):
         assert per_micro_step[:2] == [[], []] and len(per_micro_step[2]) == units
     else:
         assert all(len(m) == units and {op for op, _ in m} == {"reduce_scatter"} for m in per_micro_step)
+
+
+def _collectives_both_ways():
+    """Every rank's distinct integer-valued shards (exact in any summation order), gathered and
+    reduced by the paper's collectives and by all-reduces standing in for them."""
+    import torch.distributed as dist
+    rank, n, k = dist.get_rank(), dist.get_world_size(), 5
+    results = []
+    for link in (None, COLLECTIVE_RULES["all-reduce"]):
+        comm = DistCommunicator(link=link)
+        for async_op in (False, True):
+            mine = torch.arange(k, dtype=torch.float32) + 10 * rank
+            gathered = torch.full((k * n,), float("nan"))  # no stale value may survive where zeros belong
+            full = torch.arange(k * n, dtype=torch.float32) * (rank + 1)
+            summed, averaged = torch.full((k,), float("nan")), torch.full((k,), float("nan"))
+            handles = [comm.all_gather(gathered, mine, async_op=async_op),
+                       comm.reduce_scatter(summed, full.clone(), mean=False, async_op=async_op),
+                       comm.reduce_scatter(averaged, full.clone(), async_op=async_op)]
+            for h in handles:
+                h.wait()
+            results.append(([t.tolist() for t in (gathered, summed, averaged)], {e.op for e in comm.ledger}))
+    return results, rank, n, k
+
+
+def test_an_all_reduce_does_what_the_collective_it_stands_for_does():
+    for results, rank, n, k in in_world(3, _collectives_both_ways):
+        want_gathered = torch.cat([torch.arange(k, dtype=torch.float32) + 10 * r for r in range(n)])
+        want_summed = torch.arange(k * n, dtype=torch.float32)[rank * k:(rank + 1) * k] * sum(range(1, n + 1))
+        for i, (tensors, ops) in enumerate(results):
+            gathered, summed, averaged = map(torch.tensor, tensors)
+            assert ops == ({"all_gather", "reduce_scatter"} if i < 2 else {"all_reduce"})
+            assert torch.equal(gathered, want_gathered), f"run {i}: {gathered}"
+            assert torch.equal(summed, want_summed), f"run {i}: {summed}"
+            assert torch.allclose(averaged, want_summed / n), f"run {i}: {averaged}"

@@ -113,7 +113,7 @@ def _gloo_staging() -> tuple[int, int, int]:
         inp, out = torch.ones(1000), torch.empty(1000 // dist.get_world_size())
         before = observed.peak
         reduce_scatter_single(out, inp)
-    comm, counted = DistCommunicator(), MemoryTracker()
+    comm, counted = DistCommunicator(link=None), MemoryTracker()  # gloo's own reduce-scatter
     comm.memory = counted
     with counted:
         handle = comm.reduce_scatter(out, inp, async_op=True)

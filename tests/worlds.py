@@ -15,12 +15,19 @@ import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, Phase, settings, strategies as st
 
+from sim.cost import Link
 from zerofunc.models import GPTConfig, LlamaConfig, ModelConfig, build_model
 
 # No shrinking: every shrink step re-runs a case on all ranks, which made one failing
 # run take minutes; the drawn cases are small enough to read unshrunk.
 IN_RANK = settings(derandomize=True, database=None, deadline=None, print_blob=False,
                    suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
+
+
+# The rules a communicator may choose its collectives by: a gloo run's own (the cpu-gloo profile's
+# rates), the ZeRO paper's ops throughout, and rates under which every collective is an all-reduce.
+COLLECTIVE_RULES = {"gloo's rates": "backend", "paper": None,
+                    "all-reduce": Link(0.0, 1.0, {"all_reduce": float("inf")})}
 
 
 def agreed_max(x: float) -> float:

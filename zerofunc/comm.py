@@ -4,6 +4,13 @@
 NCCL on CUDA). `RecordingCommunicator` runs none: the tensors are meta tensors and it
 only writes down what would have been sent. Both append identical ledger entries,
 which is what lets the planner claim the trainer does exactly what it simulated.
+
+Each collective is asked for by what it must achieve (reduce a buffer and keep this
+rank's shard; gather every rank's shard), and issued as the op the backend runs
+fastest, by its measured rates (`link`): on gloo a large reduce-scatter runs as an
+all-reduce, which moves twice the bytes in less time and stages no copy. The ledger
+holds the op actually issued, so the volume it reports is the volume sent. Without a
+link (`link=None`) every collective is the ZeRO paper's.
 """
 from __future__ import annotations
 
@@ -12,8 +19,11 @@ from typing import Optional, Protocol
 import torch
 import torch.distributed as dist
 
+from sim.cost import Link, faster_as_all_reduce
+from sim.hardware import get_profile
 from sim.ledger import Ledger, LedgerEntry
 from sim.memory import NoMemoryTracking
+from zerofunc.layout import shard
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; keep working on either side.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -37,10 +47,11 @@ GLOO_STAGING = {"reduce_scatter": 1.0}
 
 
 class _Staged:
-    """A collective's handle that also ends the backend staging counted for it."""
+    """A collective's handle that also ends the backend staging counted for it, and then runs
+    `then` (once): what makes an all-reduce the reduce-scatter it stands for."""
 
-    def __init__(self, work: Handle, memory, key):
-        self.work, self.memory, self.key = work, memory, key
+    def __init__(self, work: Handle, memory, key, then=None):
+        self.work, self.memory, self.key, self.then = work, memory, key, then
 
     def wait(self) -> None:
         with self.memory.backend():  # gloo may stage again while finishing (an AVG divides a copy)
@@ -48,6 +59,9 @@ class _Staged:
         if self.key is not None:
             self.memory.drop(self.key)
             self.key = None
+        if self.then is not None:
+            then, self.then = self.then, None
+            then()
 
 
 class Communicator:
@@ -57,27 +71,47 @@ class Communicator:
     `staging` is what the backend copies per collective, as a fraction of the payload;
     it is counted in `memory` (a sim.memory.MemoryTracker, set by the engine) as
     communication buffers from launch until the collective is waited on.
+    `link` holds the backend's rates, by which a reduce-scatter or an all-gather is
+    issued as an all-reduce where that is faster (sim.cost.faster_as_all_reduce).
     """
 
     staging: dict[str, float] = {}
 
-    def __init__(self, rank: int, world_size: int, ledger: Optional[Ledger] = None):
+    def __init__(self, rank: int, world_size: int, ledger: Optional[Ledger] = None, link: Optional[Link] = None):
         self.rank = rank
         self.world_size = world_size
         self.ledger = ledger if ledger is not None else Ledger()
         self.memory = NoMemoryTracking()
+        self.link = link
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, tag: str = "", async_op: bool = False) -> Handle:
-        """Concatenate every rank's `inp` (one shard) into `out`."""
+        """Concatenate every rank's `inp` (one shard) into `out`.
+
+        As an all-reduce: `out` holds `inp` in this rank's slot and zeros elsewhere, and the
+        sum over ranks is then every rank's shard in its slot, exactly (x + 0 is x).
+        """
         if out.numel() != inp.numel() * self.world_size:
             raise ValueError(f"all_gather: out has {out.numel()} elements, expected {inp.numel()} x {self.world_size}")
+        if self._as_all_reduce("all_gather", out):
+            start, end = self.rank * inp.numel(), (self.rank + 1) * inp.numel()
+            out[:start].zero_()
+            out[end:].zero_()
+            out[start:end].copy_(inp)
+            return self._issue("all_reduce", out, tag, async_op, out=out, mean=False)
         return self._issue("all_gather", out, tag, async_op, out=out, inp=inp)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, tag: str = "", mean: bool = True,
                        async_op: bool = False) -> Handle:
-        """Reduce `inp` (full buffer) over ranks and keep this rank's shard in `out`."""
+        """Reduce `inp` (full buffer) over ranks and keep this rank's shard in `out`.
+
+        `inp` is the caller's to give up: as an all-reduce, it is reduced in place, and its
+        shard copied into `out` once the collective is done.
+        """
         if inp.numel() != out.numel() * self.world_size:
             raise ValueError(f"reduce_scatter: inp has {inp.numel()} elements, expected {out.numel()} x {self.world_size}")
+        if self._as_all_reduce("reduce_scatter", inp):
+            mine = shard(inp, self.rank, self.world_size)
+            return self._issue("all_reduce", inp, tag, async_op, then=lambda: out.copy_(mine), out=inp, mean=mean)
         return self._issue("reduce_scatter", inp, tag, async_op, out=out, inp=inp, mean=mean)
 
     def all_reduce(self, t: torch.Tensor, tag: str = "", mean: bool = True, async_op: bool = False) -> Handle:
@@ -86,14 +120,17 @@ class Communicator:
     def broadcast(self, t: torch.Tensor, src: int = 0, tag: str = "", async_op: bool = False) -> Handle:
         return self._issue("broadcast", t, tag, async_op, out=t, src=src)
 
-    def _issue(self, op: str, payload: torch.Tensor, tag: str, async_op: bool, **kw) -> Handle:
+    def _as_all_reduce(self, op: str, payload: torch.Tensor) -> bool:
+        return faster_as_all_reduce(op, payload.numel() * payload.element_size(), self.world_size, self.link)
+
+    def _issue(self, op: str, payload: torch.Tensor, tag: str, async_op: bool, then=None, **kw) -> Handle:
         nbytes = payload.numel() * payload.element_size()
         self.ledger.append(LedgerEntry(op, str(payload.dtype).removeprefix("torch."), nbytes, self.world_size, tag,
                                        async_op))
         staged = int(nbytes * self.staging.get(op, 0.0))
         key = self.memory.hold(staged) if staged else None
         with self.memory.backend():
-            handle = _Staged(self._run(op, async_op=async_op, **kw), self.memory, key)
+            handle = _Staged(self._run(op, async_op=async_op, **kw), self.memory, key, then)
         if not async_op:
             handle.wait()
         return handle
@@ -102,13 +139,24 @@ class Communicator:
         raise NotImplementedError
 
 
-class DistCommunicator(Communicator):
-    """Real collectives on the default (or a given) torch.distributed process group."""
+def backend_link(backend: str, world_size: int) -> Optional[Link]:
+    """The measured rates of a backend, where a hardware profile has them: gloo's are the
+    cpu-gloo profile's (this project's CPU machines). NCCL's choice never differs from the
+    paper's (one bandwidth for every op), so it needs none."""
+    return get_profile("cpu-gloo").link(world_size) if backend == "gloo" else None
 
-    def __init__(self, group=None, ledger: Optional[Ledger] = None):
+
+class DistCommunicator(Communicator):
+    """Real collectives on the default (or a given) torch.distributed process group.
+
+    `link`: the rates that choose each collective; by default the backend's (`backend_link`).
+    """
+
+    def __init__(self, group=None, ledger: Optional[Ledger] = None, link: Optional[Link] | str = "backend"):
         self.group = group
-        super().__init__(dist.get_rank(group), dist.get_world_size(group), ledger)
-        self.staging = GLOO_STAGING if dist.get_backend(group) == "gloo" else {}
+        n, backend = dist.get_world_size(group), dist.get_backend(group)
+        super().__init__(dist.get_rank(group), n, ledger, backend_link(backend, n) if link == "backend" else link)
+        self.staging = GLOO_STAGING if backend == "gloo" else {}
 
     def _run(self, op: str, async_op: bool, out, inp=None, mean: bool = False, src: int = 0) -> Handle:
         g = self.group
@@ -131,12 +179,13 @@ class RecordingCommunicator(Communicator):
     """Records the collectives a step would issue; moves no data (for meta tensors).
 
     `staging` is the target backend's (a hardware profile's `collective_staging`), so
-    a memory tracker counts the same staging for the same span as in a real run.
+    a memory tracker counts the same staging for the same span as in a real run; `link`
+    its rates, so it issues the collectives the real run issues.
     """
 
     def __init__(self, rank: int, world_size: int, ledger: Optional[Ledger] = None,
-                 staging: Optional[dict[str, float]] = None):
-        super().__init__(rank, world_size, ledger)
+                 staging: Optional[dict[str, float]] = None, link: Optional[Link] = None):
+        super().__init__(rank, world_size, ledger, link)
         self.staging = staging or {}
 
     def _run(self, op: str, async_op: bool, **kw) -> Handle:

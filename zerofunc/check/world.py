@@ -11,8 +11,10 @@ behaves so for all-gathers (each rank's slot receives rank 0's shard) and all-re
 (rank 0's buffer is left as is: the mean of N equal buffers). Its reduce-scatter leaves
 the output untouched in torch 2.11 (2.13 copies rank 0's slice), which would leave a
 gradient shard of uninitialized memory; `TwinCommunicator` writes that slice itself,
-when the group does not, so losses stay finite and every step updates the weights. That write
-is a copy between existing buffers: no allocation, no ledger entry.
+when the group does not, so losses stay finite and every step updates the weights. An
+all-gather issued as an all-reduce (where the stood-in backend's rates choose so) would
+leave zeros in the other slots; it tiles rank 0's shard there. Those writes are copies
+between existing buffers: no allocation, no ledger entry.
 """
 from __future__ import annotations
 
@@ -23,19 +25,27 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from zerofunc.comm import GLOO_STAGING, DistCommunicator, Handle, reduce_scatter_single
+from zerofunc.comm import GLOO_STAGING, DistCommunicator, Handle, backend_link, reduce_scatter_single
 from zerofunc.layout import shard
 
 
 class TwinCommunicator(DistCommunicator):
     """`DistCommunicator` on a fake group, with the twin-world reduce-scatter where the group lacks it."""
 
-    def __init__(self, staging: dict[str, float]):
-        super().__init__()
+    def __init__(self, stands_in_for: str):
+        super().__init__(link=backend_link(stands_in_for, dist.get_world_size()))
         # The backend this world stands in for stages what it would stage (declared, as
-        # the communicator always does), so the tracker counts what a real run counts.
-        self.staging = staging
+        # the communicator always does), so the tracker counts what a real run counts,
+        # and chooses its collectives by that backend's rates.
+        self.staging = dict(GLOO_STAGING) if stands_in_for == "gloo" else {}
         self._write_scatter = not _fake_reduce_scatter_writes()
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, tag: str = "", async_op: bool = False) -> Handle:
+        as_all_reduce = self._as_all_reduce("all_gather", out)
+        handle = super().all_gather(out, inp, tag, async_op)
+        if as_all_reduce:  # the fake all-reduce leaves the other slots zero: tile rank 0's shard, as its twins hold it
+            out.view(self.world_size, -1).copy_(inp.view(1, -1).expand(self.world_size, -1))
+        return handle
 
     def _run(self, op: str, async_op: bool, **kw) -> Handle:
         work = super()._run(op, async_op, **kw)
@@ -52,9 +62,9 @@ def _fake_reduce_scatter_writes() -> bool:
     return out.item() == 1.0
 
 
-def stood_in_staging(device: torch.device) -> dict[str, float]:
-    """What the backend a simulated world stands in for stages: gloo on CPU, NCCL (nothing) on CUDA."""
-    return dict(GLOO_STAGING) if device.type == "cpu" else {}
+def stood_in_backend(device: torch.device) -> str:
+    """The backend a simulated world stands in for: gloo on CPU, NCCL on CUDA."""
+    return "gloo" if device.type == "cpu" else "nccl"
 
 
 @contextlib.contextmanager
@@ -71,6 +81,6 @@ def simulated_world(world_size: int, device: torch.device | str = "cpu") -> Iter
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        yield TwinCommunicator(stood_in_staging(torch.device(device)))
+        yield TwinCommunicator(stood_in_backend(torch.device(device)))
     finally:
         dist.destroy_process_group()

@@ -215,7 +215,8 @@ def simulate(plan: Plan, timeline: bool = False, timing: bool = True, kernel_cac
     (sim.meta_cache; the result is the same, only slower).
     """
     profile = plan.profile
-    comm = RecordingCommunicator(0, plan.world_size, staging=profile.collective_staging)
+    link = profile.link(plan.world_size)  # also chooses each collective, as the backend's rates do in a real run
+    comm = RecordingCommunicator(0, plan.world_size, staging=profile.collective_staging, link=link)
     tracker = MemoryTracker(keep_timeline=timeline)
     model = plan.build()
     # Built as the trainer builds it (fp16's loss scaler included), only on meta and without weights.
@@ -229,7 +230,6 @@ def simulate(plan: Plan, timeline: bool = False, timing: bool = True, kernel_cac
     with MetaKernelCache() if kernel_cache else contextlib.nullcontext(), tracker, roofline if timing else contextlib.nullcontext(), TargetAttention(profile.attention):
         train_step(engine, [batch])
     ledger = list(comm.ledger)
-    link = profile.link(plan.world_size)
     return Simulation(plan, engine.numel, tracker.report(), ledger, roofline.flops, roofline.time_s,
                       ledger_time(ledger, link), ledger_time([e for e in ledger if e.overlapped], link),
                       dict(roofline.elsewhere_s))
