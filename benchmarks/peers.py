@@ -1,6 +1,6 @@
 """zerofunc next to its peers: the same GPT, data, seed and 2 gloo ranks through each.
 
-    python benchmarks/peers.py --model tiny|30m [--steps K] [--warmup W] [--impl NAME ...] [--json]
+    python benchmarks/peers.py --model tiny|30m|120m [--steps K] [--warmup W] [--repeat R] [--impl NAME ...] [--json]
 
 Implementations (each in its own fresh 2-rank world, one thread per rank):
   zerofunc stages 0-3; DeepSpeed stages 0-3 ("gradient_clipping": 0.0, torch's AdamW,
@@ -11,11 +11,14 @@ Every implementation starts from the same weights (`GPT.init_param(name, shape, 
 sees the same global batch at every step (`train.data.rank_batch`), and uses AdamW
 lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0.01, fp32, no dropout.
 
-Reported per implementation: the median step time over steps W+1..K (a barrier before
-each step starts; the time runs to after the optimizer step, taken on rank 0), each
-rank's peak resident memory (getrusage ru_maxrss), the loss of step K (forward of the
-K-th step, averaged over the ranks), and the ratio of time and memory to zerofunc at
-the matching stage. Stage matching for peers without stages: DDP ~ 0,
+Each implementation runs R times (default 3), interleaved (every implementation once,
+then again), so that a slow spell of the machine falls on all of them. Reported per
+implementation: the median over the runs of each run's median step time over steps
+W+1..K (a barrier before each step starts; the time runs to after the optimizer step,
+taken on rank 0), with the runs' spread (min-max); the median over the runs of each
+rank's peak resident memory (getrusage ru_maxrss); the loss of step K (forward of the
+K-th step, averaged over the ranks; the same in every run); and the ratio of time and
+memory to zerofunc at the matching stage. Last, zerofunc's own stage 3 / stage 0. Stage matching for peers without stages: DDP ~ 0,
 ZeroRedundancyOptimizer ~ 1, FSDP2 reshard False ~ 2, reshard True ~ 3.
 
 The peers are optional dependencies: one whose import fails is reported "not installed".
@@ -46,6 +49,7 @@ MODELS = {
     # name: (model_config base, overrides, default steps, default warm-up)
     "tiny": ("gpt2-tiny", dict(dropout=0.0), 20, 5),
     "30m": ("gpt2-small", dict(n_layer=6, n_embd=640, n_head=10, vocab_size=256, block_size=SEQ, dropout=0.0), 12, 3),
+    "120m": ("gpt2-small", dict(vocab_size=256, block_size=SEQ, dropout=0.0), 8, 2),  # gpt2-small's shape, bytes
 }
 
 # impl name -> (family, stage, matching zerofunc stage)
@@ -174,30 +178,44 @@ def run_rank(impl: str, model_name: str, steps: int, warmup: int) -> dict:
 
 
 def run_impl(impl: str, model_name: str, steps: int, warmup: int) -> dict:
+    """One run of one implementation in a fresh 2-rank world."""
     from zerofunc.launch import RankError, spawn
-    family, stage, zstage = IMPLS[impl]
-    row = {"impl": impl, "stage": zstage if family != "zerofunc" and family != "deepspeed" else stage,
-           "step_time_s": None, "peak_rss_bytes": None, "final_loss": None, "status": "ok"}
+    family, _, _ = IMPLS[impl]
+    row = {"status": "ok"}
     need = REQUIRES.get(family)
     if need and importlib.util.find_spec(need) is None:
-        row["status"] = "not installed"
-        return row
+        return {"status": "not installed"}
     t0 = time.perf_counter()
     try:
         out = spawn(run_rank, WORLD, impl, model_name, steps, warmup)
     except RankError as e:
         msg = str(e)
-        if "ModuleNotFoundError" in msg or "ImportError" in msg:
-            row["status"] = "not installed"
-        else:
-            row["status"] = "failed: " + msg.strip().splitlines()[-1][:200]
-        row["error"] = msg
-        return row
+        status = ("not installed" if "ModuleNotFoundError" in msg or "ImportError" in msg
+                  else "failed: " + msg.strip().splitlines()[-1][:200])
+        return {"status": status, "error": msg}
     row["wall_s"] = time.perf_counter() - t0
     row["step_time_s"] = statistics.median(out[0]["times"][warmup:])
     row["peak_rss_bytes"] = [r["peak_rss_bytes"] for r in out]
     row["final_loss"] = out[0]["final_loss"]
     row["n_params"] = out[0]["n_params"]
+    return row
+
+
+def summarize(impl: str, runs: list[dict]) -> dict:
+    """An implementation's runs in one row: medians over the runs, and the spread of the step time."""
+    family, stage, zstage = IMPLS[impl]
+    row = {"impl": impl, "stage": stage if family in ("zerofunc", "deepspeed") else zstage, "runs": len(runs),
+           "step_time_s": None, "peak_rss_bytes": None, "final_loss": None, "status": "ok"}
+    bad = next((r for r in runs if r["status"] != "ok"), None)
+    if bad is not None:
+        return row | {k: bad[k] for k in ("status", "error") if k in bad}
+    times = [r["step_time_s"] for r in runs]
+    losses = {r["final_loss"] for r in runs}
+    row.update(step_time_s=statistics.median(times), step_time_spread_s=(min(times), max(times)),
+               step_times_s=times, n_params=runs[0]["n_params"], final_loss=runs[0]["final_loss"],
+               peak_rss_bytes=[int(statistics.median(per_rank)) for per_rank in zip(*(r["peak_rss_bytes"] for r in runs))])
+    if len(losses) > 1:
+        row["status"] = f"failed: the loss differs between runs ({sorted(losses)})"
     return row
 
 
@@ -208,23 +226,28 @@ def _fmt_mib(b) -> str:
 def print_table(rows: list[dict], model_name: str, steps: int, warmup: int) -> None:
     zf = {r["stage"]: r for r in rows if r["impl"].startswith("zerofunc-") and r["status"] == "ok"}
     n = next((r["n_params"] for r in rows if r.get("n_params")), None)
+    runs = max(r["runs"] for r in rows)
     print(f"model {model_name} ({n:,} parameters), {WORLD} gloo ranks, seq {SEQ}, micro-batch {MICRO_BATCH}/rank, "
-          f"fp32, {steps} steps, median over steps {warmup + 1}-{steps}" if n else f"model {model_name}")
-    head = (f"{'impl':<22}{'stage':>6}{'step s':>9}{'x zf':>7}{'rss0 MiB':>10}{'rss1 MiB':>10}"
+          f"fp32, {steps} steps, median over steps {warmup + 1}-{steps}; median of {runs} interleaved runs"
+          if n else f"model {model_name}")
+    head = (f"{'impl':<22}{'stage':>6}{'step s':>9}{'min-max s':>14}{'x zf':>7}{'rss0 MiB':>10}{'rss1 MiB':>10}"
             f"{'rss x zf':>9}{'loss@K':>12}{'dloss rel':>11}  status")
     print(head)
     print("-" * len(head))
     for r in rows:
         ref = zf.get(r["stage"])
         if r["status"] != "ok":
-            print(f"{r['impl']:<22}{r['stage']:>6}{'-':>9}{'-':>7}{'-':>10}{'-':>10}{'-':>9}{'-':>12}{'-':>11}  {r['status']}")
+            print(f"{r['impl']:<22}{r['stage']:>6}{'-':>9}{'-':>14}{'-':>7}{'-':>10}{'-':>10}{'-':>9}{'-':>12}{'-':>11}"
+                  f"  {r['status']}")
             continue
         tr = f"{r['step_time_s'] / ref['step_time_s']:.2f}" if ref else "-"
         mr = f"{max(r['peak_rss_bytes']) / max(ref['peak_rss_bytes']):.2f}" if ref else "-"
         dl = f"{abs(r['final_loss'] - ref['final_loss']) / abs(ref['final_loss']):.1e}" if ref else "-"
-        rss = r["peak_rss_bytes"]
-        print(f"{r['impl']:<22}{r['stage']:>6}{r['step_time_s']:>9.3f}{tr:>7}{_fmt_mib(rss[0]):>10}"
-              f"{_fmt_mib(rss[1]):>10}{mr:>9}{r['final_loss']:>12.6f}{dl:>11}  ok")
+        rss, (lo, hi) = r["peak_rss_bytes"], r["step_time_spread_s"]
+        print(f"{r['impl']:<22}{r['stage']:>6}{r['step_time_s']:>9.3f}{f'{lo:.3f}-{hi:.3f}':>14}{tr:>7}"
+              f"{_fmt_mib(rss[0]):>10}{_fmt_mib(rss[1]):>10}{mr:>9}{r['final_loss']:>12.6f}{dl:>11}  ok")
+    if 0 in zf and 3 in zf:
+        print(f"zerofunc stage 3 / stage 0 step time: {zf[3]['step_time_s'] / zf[0]['step_time_s']:.2f}")
 
 
 def main(argv=None) -> int:
@@ -232,6 +255,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", choices=sorted(MODELS), default="tiny")
     ap.add_argument("--steps", type=int, help="K: steps per implementation (the loss is reported after K)")
     ap.add_argument("--warmup", type=int, help="W: steps left out of the median")
+    ap.add_argument("--repeat", type=int, default=3, help="R: runs per implementation, interleaved (default 3)")
     ap.add_argument("--impl", nargs="+", choices=list(IMPLS), help="run only these (default: all)")
     ap.add_argument("--json", action="store_true", help="also print the rows as a JSON list")
     args = ap.parse_args(argv)
@@ -240,22 +264,30 @@ def main(argv=None) -> int:
     warmup = args.warmup if args.warmup is not None else w
     if not 0 <= warmup < steps:
         ap.error(f"need 0 <= --warmup < --steps, got {warmup} and {steps}")
+    if not 1 <= args.repeat <= 100:
+        ap.error(f"need 1 <= --repeat <= 100, got {args.repeat}")
     impls = args.impl or list(IMPLS)
     if any(IMPLS[i][0] != "zerofunc" for i in impls):  # ratios need the zerofunc rows
         impls = [i for i in IMPLS if i in impls or IMPLS[i][0] == "zerofunc"]
-    rows = []
-    for impl in impls:
-        row = run_impl(impl, args.model, steps, warmup)
-        print(f"# {impl}: {row['status']}"
-              + (f" ({row['wall_s']:.1f} s)" if "wall_s" in row else ""), file=sys.stderr, flush=True)
-        rows.append(row)
+    runs: dict[str, list[dict]] = {impl: [] for impl in impls}
+    for r in range(args.repeat):
+        for impl in impls:
+            if runs[impl] and runs[impl][-1]["status"] != "ok":
+                continue  # not installed, or failed: once is enough
+            run = run_impl(impl, args.model, steps, warmup)
+            print(f"# run {r + 1}/{args.repeat} {impl}: {run['status']}"
+                  + (f" ({run['wall_s']:.1f} s, step {run['step_time_s']:.3f} s)" if "wall_s" in run else ""),
+                  file=sys.stderr, flush=True)
+            runs[impl].append(run)
+    rows = [summarize(impl, runs[impl]) for impl in impls]
     print_table(rows, args.model, steps, warmup)
     for r in rows:
         if r["status"] != "ok" and "error" in r:
             print(f"\n{r['impl']} {r['status']}", file=sys.stderr)
     if args.json:
-        print(json.dumps([{k: r[k] for k in ("impl", "stage", "step_time_s", "peak_rss_bytes", "final_loss")}
-                          | ({"status": r["status"]} if r["status"] != "ok" else {}) for r in rows], indent=1))
+        keep = ("impl", "stage", "step_time_s", "step_times_s", "peak_rss_bytes", "final_loss")
+        print(json.dumps([{k: r[k] for k in keep if k in r} | ({"status": r["status"]} if r["status"] != "ok" else {})
+                          for r in rows], indent=1))
     return 0 if all(r["status"] in ("ok", "not installed") for r in rows) else 1
 
 
