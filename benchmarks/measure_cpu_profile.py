@@ -14,6 +14,10 @@ training runs 2 ranks on 2 cores):
   `measured.matmul`.
 * memory_bandwidth: `torch.add(a, b, out=c)` on 64 MiB fp32 tensors, counting
   3 x 64 MiB read+written per call; median over 10 repeats per rank, slower rank reported.
+* op_overhead_s: seconds per op of a chain of one-element multiplies, forward and
+  backward through autograd: what every op of a step costs beyond its FLOPs and bytes.
+* overlap_hidden: the fraction of an asynchronous 16 MiB all-reduce that hides behind
+  matmuls running meanwhile on the same rank, (compute + comm - both) / min of the two.
 * link: ring alpha-beta model fitted to gloo all_gather (`dist.all_gather_single`),
   reduce_scatter (`dist.reduce_scatter_single`) and all_reduce on 2 ranks, fp32 payloads
   S = 4 KiB, 64 KiB, 1 MiB, 4 MiB, 16 MiB, 64 MiB (S = all-gather output, reduce-scatter
@@ -191,11 +195,62 @@ def _measure_comm() -> dict:
     return out
 
 
+def _measure_op_overhead(chain: int = 200, repeats: int = 9) -> float:
+    """Seconds per op of a training step's smallest ops: a chain of multiplies of one element,
+    forward and backward through autograd, so that only the dispatch and autograd's bookkeeping
+    remain; per op of either pass."""
+    x = torch.ones(1, requires_grad=True)
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        y = x
+        for _ in range(chain):
+            y = y * 1.0001
+        y.backward()
+        times.append((time.perf_counter() - t0) / (2 * chain))
+    med = statistics.median(times[2:])
+    _log(f"op overhead: {med * 1e6:.1f} us (rank 0)")
+    return med
+
+
+def _measure_overlap(payload: int = 16 << 20, repeats: int = 5) -> dict:
+    """How much of an asynchronous all-reduce hides behind matmuls that run meanwhile on the same
+    rank: (compute + comm - both) / min(compute, comm), 1 when it hides completely, 0 when the two
+    take as long as one after the other (on CPU both want the rank's one core)."""
+    buf, a = torch.rand(payload // 4), torch.rand(512, 512)
+
+    def compute():
+        for _ in range(40):
+            torch.mm(a, a)
+
+    def timed(fn) -> float:
+        ts = []
+        for _ in range(repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            ts.append(_agree_max(time.perf_counter() - t0))
+        return statistics.median(ts)
+
+    def both():
+        work = dist.all_reduce(buf, async_op=True)
+        compute()
+        work.wait()
+
+    t_compute, t_comm, t_both = timed(compute), timed(lambda: dist.all_reduce(buf)), timed(both)
+    hidden = (t_compute + t_comm - t_both) / min(t_compute, t_comm)
+    _log(f"overlap: compute {t_compute * 1e3:.1f} ms, all-reduce {t_comm * 1e3:.1f} ms, both {t_both * 1e3:.1f} ms: "
+         f"{hidden:.2f} hidden")
+    return {"compute_s": t_compute, "comm_s": t_comm, "both_s": t_both, "hidden": min(1.0, max(0.0, hidden))}
+
+
 def _rank_work() -> dict:
     torch.set_num_threads(1)
     _log(f"world={dist.get_world_size()} backend={dist.get_backend()} threads={torch.get_num_threads()}")
     return {"rank": dist.get_rank(), "matmul": _measure_matmul(),
-            "bandwidth": _measure_bandwidth(), "comm": _measure_comm()}
+            "bandwidth": _measure_bandwidth(), "comm": _measure_comm(),
+            "op_overhead_s": _measure_op_overhead(), "overlap": _measure_overlap()}
 
 
 # ---------------------------------------------------------------- fitting (parent)
@@ -281,6 +336,8 @@ def main(raw: bool = False, record: bool = False) -> None:
     profile = {
         "flops": flops,
         "memory_bandwidth": mem_bw,
+        "op_overhead_s": max(r["op_overhead_s"] for r in results),
+        "overlap_hidden": results[0]["overlap"]["hidden"],  # its times are already the max over ranks
         "link": {"alpha_s": joint["alpha_s"], "bandwidth": joint["bandwidth"],
                  "op_bandwidth": {op: fit["bandwidth"] for op, fit in per_op.items()},
                  "op_seconds": {op: [[_coeffs(op, n)[1] * size, comm_median[op][str(size)]] for size in COMM_SIZES]
@@ -304,6 +361,7 @@ def main(raw: bool = False, record: bool = False) -> None:
                      "joint_least_squares_p25": _public(_fit(points_p25, n)),
                      "joint_relative_weighted_p25": _public(_fit(points_p25, n, relative=True)),
                      "per_op": per_op},
+            "overlap": results[0]["overlap"],
             "matmul": matmul_raw,
             "memory_bandwidth": bw_raw,
             "wall_s": time.perf_counter() - start,
@@ -323,7 +381,8 @@ def main(raw: bool = False, record: bool = False) -> None:
     if record:
         from sim.hardware import record_measured
         figures = {"flops": flops, "memory_bandwidth": mem_bw, "intra_node": profile["link"],
-                   "inter_node": profile["link"]}
+                   "inter_node": profile["link"], "op_overhead_s": profile["op_overhead_s"],
+                   "overlap_hidden": profile["overlap_hidden"]}
         where = record_measured("cpu-gloo", figures, f"benchmarks/measure_cpu_profile.py --record, "
                                 f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, load {load_before:.2f} before")
         print(f"[measure] recorded into {where}", file=sys.stderr)

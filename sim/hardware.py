@@ -39,7 +39,13 @@ class Profile:
     # the host link each way (pinned copies), and the host's fused AdamW rate per device
     host_memory_bytes: int = 0
     host_link_bandwidth: float = float("inf")
-    cpu_adamw_params_per_s: float = float("inf")  # substrings of the device name torch reports, to find the profile of a GPU
+    cpu_adamw_params_per_s: float = float("inf")
+    # What a step costs beyond FLOPs, bytes and the wire: per op dispatched (eager CPU: autograd's
+    # bookkeeping), and the fraction of asynchronous communication that really hides behind compute
+    # (a GPU's copy engines and NCCL's own SMs: all of it; a CPU rank's one core: measured)
+    op_overhead_s: float = 0.0
+    overlap_hidden: float = 1.0
+    # substrings of the device name torch reports, to find the profile of a GPU
 
     def link(self, world_size: int) -> Link:
         """The ring's slowest hop: within a node if the group fits in one, else the network."""
@@ -65,7 +71,8 @@ def profiles() -> dict[str, Profile]:
                             attention=p["attention"], collective_staging=p.get("collective_staging", {}),
                             sources=p["sources"], device_names=tuple(p.get("device_names", ())),
                             host_memory_bytes=int(p["host_memory_gib"] * 2**30),
-                            host_link_bandwidth=p["host_link_bandwidth"], cpu_adamw_params_per_s=p["cpu_adamw_params_per_s"])
+                            host_link_bandwidth=p["host_link_bandwidth"], cpu_adamw_params_per_s=p["cpu_adamw_params_per_s"],
+                            op_overhead_s=p.get("op_overhead_s", 0.0), overlap_hidden=p.get("overlap_hidden", 1.0))
     return out
 
 

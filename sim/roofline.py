@@ -3,7 +3,8 @@
 `Roofline` is a dispatch mode. For each op it takes the FLOPs from torch's own
 formulas (torch.utils.flop_counter) and the bytes it reads and writes (its tensor
 inputs and outputs; views move nothing), and charges
-max(FLOPs / peak rate for the op's dtype, bytes / memory bandwidth).
+max(FLOPs / peak rate for the op's dtype, bytes / memory bandwidth), plus a fixed
+overhead per op (dispatch and autograd's bookkeeping, which dominate small ops on a CPU).
 The sum is the step's compute time on a device with those rates, if nothing overlaps.
 
 Work placed elsewhere (sim.placement: ZeRO-Offload's optimizer on the host, copies
@@ -76,9 +77,9 @@ def _written_in_place(func, args) -> int:
 
 class Roofline(TorchDispatchMode):
     def __init__(self, flops_per_s: dict[str, float], bytes_per_s: float, host_bytes_per_s: float = float("inf"),
-                 link_bytes_per_s: float = float("inf")):
+                 link_bytes_per_s: float = float("inf"), op_overhead_s: float = 0.0):
         super().__init__()
-        self.flops_per_s, self.bytes_per_s = flops_per_s, bytes_per_s
+        self.flops_per_s, self.bytes_per_s, self.op_overhead_s = flops_per_s, bytes_per_s, op_overhead_s
         self._elsewhere = {"host": host_bytes_per_s, "d2h": link_bytes_per_s, "h2d": link_bytes_per_s}
         self.flops = 0
         self.bytes = 0
@@ -101,5 +102,5 @@ class Roofline(TorchDispatchMode):
         rate = self.flops_per_s.get(DTYPE_NAMES.get(dtype, "fp32"), self.flops_per_s["fp32"])
         self.flops += flops
         self.bytes += moved
-        self.time_s += max(flops / rate, moved / self.bytes_per_s)
+        self.time_s += max(flops / rate, moved / self.bytes_per_s) + self.op_overhead_s
         return out

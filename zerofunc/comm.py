@@ -100,19 +100,29 @@ class Communicator:
             return self._issue("all_reduce", out, tag, async_op, out=out, mean=False)
         return self._issue("all_gather", out, tag, async_op, out=out, inp=inp)
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, tag: str = "", mean: bool = True,
+    def reduce_scatter(self, out: Optional[torch.Tensor], inp: torch.Tensor, tag: str = "", mean: bool = True,
                        async_op: bool = False) -> Handle:
-        """Reduce `inp` (full buffer) over ranks and keep this rank's shard in `out`.
+        """Reduce `inp` (full buffer) over ranks and keep this rank's shard in `out`; with `out=None`,
+        in `inp`'s own slot of this rank (ZeRO-1 keeps the whole local gradient anyway).
 
         `inp` is the caller's to give up: as an all-reduce, it is reduced in place, and its
-        shard copied into `out` once the collective is done.
+        shard copied into `out` (if given) once the collective is done. The paper's
+        reduce-scatter into `inp`'s own slot goes through a shard of `buffers`, copied back.
         """
-        if inp.numel() != out.numel() * self.world_size:
-            raise ValueError(f"reduce_scatter: inp has {inp.numel()} elements, expected {out.numel()} x {self.world_size}")
+        n = self.world_size
+        if inp.numel() % n or (out is not None and inp.numel() != out.numel() * n):
+            raise ValueError(f"reduce_scatter: inp has {inp.numel()} elements, expected "
+                             f"{'a multiple of' if out is None else out.numel()} x {n}")
+        mine = shard(inp, self.rank, n)
         if self._as_all_reduce("reduce_scatter", inp):
-            mine = shard(inp, self.rank, self.world_size)
-            return self._issue("all_reduce", inp, tag, async_op, then=lambda: out.copy_(mine), out=inp, mean=mean)
-        return self._issue("reduce_scatter", inp, tag, async_op, out=out, inp=inp, mean=mean)
+            then = None if out is None else (lambda: out.copy_(mine))
+            return self._issue("all_reduce", inp, tag, async_op, then=then, out=inp, mean=mean)
+        then = None
+        if out is None:
+            with self.memory.category("buffers"):
+                out = torch.empty_like(mine)
+            then = lambda: mine.copy_(out)  # noqa: E731
+        return self._issue("reduce_scatter", inp, tag, async_op, then=then, out=out, inp=inp, mean=mean)
 
     def all_reduce(self, t: torch.Tensor, tag: str = "", mean: bool = True, async_op: bool = False) -> Handle:
         return self._issue("all_reduce", t, tag, async_op, out=t, mean=mean)

@@ -232,14 +232,15 @@ class ZeroEngine:
                 self._reducing.add(comm.all_reduce(unit.local_grad, tag="grads", async_op=overlapped), nbytes)
                 return
         self.memory.track(grad, "buffers")  # only sent
-        with self.memory.category("grads" if stage.shard_grads else "buffers"):
-            reduced = torch.empty(unit.layout.shard_numel, device=grad.device, dtype=grad.dtype)
+        reduced = None  # ZeRO-1 keeps the full gradient: the reduced shard lands in its own slice
+        if stage.shard_grads:
+            with self.memory.category("grads"):
+                reduced = torch.empty(unit.layout.shard_numel, device=grad.device, dtype=grad.dtype)
         sent = grad if stage.shard_grads else unit.local_grad
 
         def done():  # `sent` stays referenced, so allocated, until the reduce-scatter has finished with it
-            if not stage.shard_grads:  # ZeRO-1 keeps the full gradient; its own slice now holds the reduced shard
+            if not stage.shard_grads:
                 unit.grad = shard(sent, comm.rank, comm.world_size)
-                unit.grad.copy_(reduced)
             else:
                 unit.grad = reduced if unit.grad is None else unit.grad.add_(reduced)
             if self.offload is not None and self._boundary:  # reduced for the last time: to the host

@@ -160,17 +160,20 @@ class Simulation:
 
     @property
     def step_s(self) -> float:
-        """Compute plus what it cannot hide, as the trainer overlaps it (the optimistic bound: what
-        runs behind compute hides completely unless it outlasts it):
+        """Compute plus what it cannot hide, as the trainer overlaps it:
         - the blocking collectives;
         - the asynchronous ones (gradient reductions, prefetched gathers) and, with optimizer
-          offload, the gradients' copies to the host, beyond the compute they run behind;
+          offload, the gradients' copies to the host, less the part that hides behind the
+          compute they run behind: the profile's `overlap_hidden` of whichever is shorter
+          (1 on a GPU: all of it, unless it outlasts the compute; on a CPU rank, whose one core
+          runs both, what was measured);
         - with offload, the update on the host, while each unit's new weights go up to the
           device behind the next unit's update: the longer of the two.
         Recomputation needs no term: the roofline counts the recomputed forward's ops."""
         exposed = self.comm_s - self.overlapped_comm_s
         behind = self.overlapped_comm_s + self.offload_s["d2h"]
-        return (self.compute_s + exposed + max(0.0, behind - self.compute_s)
+        hidden = self.plan.profile.overlap_hidden * min(behind, self.compute_s)
+        return (self.compute_s + exposed + behind - hidden
                 + max(self.offload_s["host"], self.offload_s["h2d"]))
 
     @property
@@ -225,7 +228,7 @@ def simulate(plan: Plan, timeline: bool = False, timing: bool = True, kernel_cac
     batch = () if plan.params is not None else _meta_batch(plan, model)
     roofline = Roofline({k: v * profile.compute_efficiency for k, v in profile.flops.items()},
                         profile.memory_bandwidth, host_bytes_per_s=profile.cpu_adamw_params_per_s * ADAMW_BYTES_COUNTED,
-                        link_bytes_per_s=profile.host_link_bandwidth)
+                        link_bytes_per_s=profile.host_link_bandwidth, op_overhead_s=profile.op_overhead_s)
     # the kernel cache sits below the instruments: they see every op, each layer's meta kernels run once
     with MetaKernelCache() if kernel_cache else contextlib.nullcontext(), tracker, roofline if timing else contextlib.nullcontext(), TargetAttention(profile.attention):
         train_step(engine, [batch])
