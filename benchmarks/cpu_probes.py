@@ -31,7 +31,13 @@ COMM_WARMUP = 3
 # leaves the median at the mercy of that tail.
 COMM_REPEATS_SMALL = 40
 COMM_REPEATS_LARGE = 8
-OPS = ("all_gather", "reduce_scatter", "all_reduce")
+# "broadcast": as an all-gather is issued by broadcasts, every rank broadcasting its slot of the
+# S-byte buffer at once; the time is of the whole gather (measure_cpu_profile.py divides it by n).
+OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+# A linear layer's forward and backward at a transformer's shapes (tokens, in, out), for the
+# rate a step's matmuls reach: widths of the GPT-2 family's smaller members, 1024 tokens.
+LINEAR_SHAPES = tuple((1024, d_in, d_out) for d in (512, 768, 1024)
+                      for d_in, d_out in ((d, 3 * d), (d, 4 * d), (4 * d, d)))
 
 
 
@@ -122,6 +128,11 @@ def _measure_comm() -> dict:
             if op == "all_gather":
                 inp, buf = torch.rand(shard), torch.empty(numel)
                 fn = lambda: all_gather_single(buf, inp)  # noqa: E731
+            elif op == "broadcast":
+                buf = torch.rand(numel)
+                slots = buf.view(world, -1)
+                fn = lambda: [w.wait() for w in [dist.broadcast(slots[r], src=r, async_op=True)  # noqa: E731
+                                                 for r in range(world)]]
             elif op == "reduce_scatter":
                 inp, buf = torch.rand(numel), torch.empty(shard)
                 fn = lambda: reduce_scatter_single(buf, inp, op=dist.ReduceOp.SUM)  # noqa: E731
@@ -144,6 +155,28 @@ def _measure_comm() -> dict:
     return out
 
 
+def _measure_linear(repeats: int = 5) -> dict:
+    """fp32 FLOP/s of `F.linear` forward and backward through autograd (6 * tokens * in * out
+    FLOP), per shape of LINEAR_SHAPES, both ranks at once: what a training step's matmuls reach,
+    against the square `torch.mm` of `flops` (narrower inner dimensions, transposed operands
+    in backward, and the other rank's traffic on the shared memory)."""
+    rates = {}
+    for tokens, d_in, d_out in LINEAR_SHAPES:
+        x = torch.rand(tokens, d_in, requires_grad=True)
+        w = torch.rand(d_out, d_in, requires_grad=True)
+        b = torch.rand(d_out, requires_grad=True)
+        g = torch.rand(tokens, d_out)
+        times = []
+        for _ in range(repeats + 2):
+            dist.barrier()
+            t0 = time.perf_counter()
+            torch.nn.functional.linear(x, w, b).backward(g)
+            times.append(time.perf_counter() - t0)
+        rates[f"{tokens}x{d_in}x{d_out}"] = 6 * tokens * d_in * d_out / statistics.median(times[2:])
+    _log(f"linear fwd+bwd: median {statistics.median(rates.values()) / 1e9:.1f} GFLOP/s, {len(rates)} shapes (rank 0)")
+    return rates
+
+
 def _measure_op_overhead(chain: int = 200, repeats: int = 9) -> float:
     """Seconds per op of a training step's smallest ops: a chain of multiplies of one element,
     forward and backward through autograd, so that only the dispatch and autograd's bookkeeping
@@ -163,15 +196,13 @@ def _measure_op_overhead(chain: int = 200, repeats: int = 9) -> float:
     return med
 
 
-def _measure_overlap(payload: int = 16 << 20, repeats: int = 5) -> dict:
+def _measure_overlap(payload: int = 16 << 20, repeats: int = 9) -> dict:
     """How much of an asynchronous all-reduce hides behind matmuls that run meanwhile on the same
     rank: (compute + comm - both) / min(compute, comm), 1 when it hides completely, 0 when the two
-    take as long as one after the other (on CPU both want the rank's one core)."""
+    take as long as one after the other (on CPU both want the rank's one core). The compute is
+    sized to take about as long as the all-reduce: a much longer one would leave the fraction to
+    the noise of its own time."""
     buf, a = torch.rand(payload // 4), torch.rand(512, 512)
-
-    def compute():
-        for _ in range(40):
-            torch.mm(a, a)
 
     def timed(fn) -> float:
         ts = []
@@ -180,7 +211,14 @@ def _measure_overlap(payload: int = 16 << 20, repeats: int = 5) -> dict:
             t0 = time.perf_counter()
             fn()
             ts.append(_agree_max(time.perf_counter() - t0))
-        return statistics.median(ts)
+        return statistics.median(ts[2:])
+
+    t_comm, t_mm = timed(lambda: dist.all_reduce(buf)), timed(lambda: torch.mm(a, a))
+    calls = max(1, round(t_comm / t_mm))
+
+    def compute():
+        for _ in range(calls):
+            torch.mm(a, a)
 
     def both():
         work = dist.all_reduce(buf, async_op=True)
@@ -198,5 +236,5 @@ def rank_work() -> dict:
     torch.set_num_threads(1)
     _log(f"world={dist.get_world_size()} backend={dist.get_backend()} threads={torch.get_num_threads()}")
     return {"rank": dist.get_rank(), "matmul": _measure_matmul(),
-            "bandwidth": _measure_bandwidth(), "comm": _measure_comm(),
+            "bandwidth": _measure_bandwidth(), "comm": _measure_comm(), "linear": _measure_linear(),
             "op_overhead_s": _measure_op_overhead(), "overlap": _measure_overlap()}

@@ -12,16 +12,23 @@ training runs 2 ranks on 2 cores):
   A (dtype, n) whose single call is very slow gets fewer repeats, and larger n are
   skipped, so that a slow dtype cannot blow the time budget; what was run is in
   `measured.matmul`.
+* compute_efficiency: the fp32 FLOP/s of `F.linear` forward and backward (6 * tokens * in
+  * out FLOP) at a transformer's shapes (1024 tokens; d x 3d, d x 4d, 4d x d for d = 512,
+  768, 1024), both ranks at once, median of 5 repeats per shape; per shape the slower rank,
+  over shapes the median, divided by flops["fp32"]: the fraction of the square-mm rate a
+  step's matmuls reach.
 * memory_bandwidth: `torch.add(a, b, out=c)` on 64 MiB fp32 tensors, counting
   3 x 64 MiB read+written per call; median over 10 repeats per rank, slower rank reported.
 * op_overhead_s: seconds per op of a chain of one-element multiplies, forward and
   backward through autograd: what every op of a step costs beyond its FLOPs and bytes.
 * overlap_hidden: the fraction of an asynchronous 16 MiB all-reduce that hides behind
-  matmuls running meanwhile on the same rank, (compute + comm - both) / min of the two.
+  matmuls running meanwhile on the same rank, (compute + comm - both) / min of the two,
+  the matmuls sized to take about as long as the all-reduce (medians of 7 repeats).
 * link: ring alpha-beta model fitted to gloo all_gather (`dist.all_gather_single`),
   reduce_scatter (`dist.reduce_scatter_single`) and all_reduce on 2 ranks, fp32 payloads
-  S = 4 KiB, 64 KiB, 1 MiB, 4 MiB, 16 MiB, 64 MiB (S = all-gather output, reduce-scatter
-  input, all-reduce buffer). Each repeat: `dist.barrier()`, time the op; the repeat's time
+  S = 4 KiB to 64 MiB (S = all-gather output, reduce-scatter input, all-reduce buffer); and
+  broadcast, as an all-gather is issued by broadcasts: every rank broadcasting its S/n slot
+  at once, the time divided by n, each broadcast counted as one of S/n bytes. Each repeat: `dist.barrier()`, time the op; the repeat's time
   is the max over ranks; median over the repeats (40 for S <= 4 MiB, 8 above) after 3
   warm-ups; `measured.collective_spread_s` gives min / p25 / p75 / max as well.
   Model with n ranks:  all_gather / reduce_scatter: (n-1)*alpha + (n-1)/n * S / bw;
@@ -117,6 +124,9 @@ def main(raw: bool = False, record: bool = False) -> None:
     bw_raw = {f"rank{i}": r["bandwidth"] for i, r in enumerate(results)}
     mem_bw = min(r["bandwidth"]["bandwidth"] for r in results)
 
+    linear = {shape: min(r["linear"][shape] for r in results) for shape in results[0]["linear"]}
+    efficiency = statistics.median(linear.values()) / flops["fp32"]
+
     # comm: per repeat the max over ranks, then the median
     comm_median: dict = {}
     comm_spread: dict = {}
@@ -128,6 +138,8 @@ def main(raw: bool = False, record: bool = False) -> None:
         for size in COMM_SIZES:
             per_rank = [r["comm"][op][str(size)] for r in results]
             per_rep = [max(ts) for ts in zip(*per_rank)]
+            if op == "broadcast":  # n broadcasts of S/n bytes each: the time of one
+                per_rep, size = [t / n for t in per_rep], size // n  # noqa: PLW2901
             med = statistics.median(per_rep)
             comm_median[op][str(size)] = med
             q = np.quantile(per_rep, [0.0, 0.25, 0.75, 1.0])
@@ -147,12 +159,13 @@ def main(raw: bool = False, record: bool = False) -> None:
 
     profile = {
         "flops": flops,
+        "compute_efficiency": efficiency,
         "memory_bandwidth": mem_bw,
         "op_overhead_s": max(r["op_overhead_s"] for r in results),
         "overlap_hidden": results[0]["overlap"]["hidden"],  # its times are already the max over ranks
         "link": {"alpha_s": joint["alpha_s"], "bandwidth": joint["bandwidth"],
                  "op_bandwidth": {op: fit["bandwidth"] for op, fit in per_op.items()},
-                 "op_seconds": {op: [[_coeffs(op, n)[1] * size, comm_median[op][str(size)]] for size in COMM_SIZES]
+                 "op_seconds": {op: [[_coeffs(op, n)[1] * int(size), t] for size, t in comm_median[op].items()]
                                 for op in OPS},
                  "measured_ranks": n},
         "measured": {
@@ -175,6 +188,7 @@ def main(raw: bool = False, record: bool = False) -> None:
                      "per_op": per_op},
             "overlap": results[0]["overlap"],
             "matmul": matmul_raw,
+            "linear_flops": linear,
             "memory_bandwidth": bw_raw,
             "wall_s": time.perf_counter() - start,
         },
@@ -192,7 +206,7 @@ def main(raw: bool = False, record: bool = False) -> None:
     sys.stdout.write("\n")
     if record:
         from sim.hardware import record_measured
-        figures = {"flops": flops, "memory_bandwidth": mem_bw, "intra_node": profile["link"],
+        figures = {"flops": flops, "compute_efficiency": efficiency, "memory_bandwidth": mem_bw, "intra_node": profile["link"],
                    "inter_node": profile["link"], "op_overhead_s": profile["op_overhead_s"],
                    "overlap_hidden": profile["overlap_hidden"]}
         where = record_measured("cpu-gloo", figures, f"benchmarks/measure_cpu_profile.py --record, "

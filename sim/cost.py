@@ -75,18 +75,32 @@ def ledger_time(entries: Iterable[LedgerEntry], link: Link) -> float:
     return sum(collective_time(e, link) for e in entries)
 
 
-# An all-reduce stands in for a collective only if it takes at most this fraction of its time:
+# Another op stands in for a collective only if it takes at most this fraction of its time:
 # medians of gloo's small collectives scatter by more than 10% on these machines (scheduler
 # stalls), and an all-gather done as an all-reduce also fills the buffer with zeros first.
-ALL_REDUCE_MARGIN = 0.9
+STAND_IN_MARGIN = 0.9
+
+# What may stand in for each collective, besides itself. A reduce-scatter: an all-reduce of the
+# whole buffer (twice the bytes; gloo's reduce-scatter is the slower op). An all-gather: an
+# all-reduce of the buffer zero but for this rank's slot, or one broadcast per rank from its slot
+# (the same bytes as the all-gather, each sent once by its owner; gloo broadcasts quicker than it
+# gathers).
+STAND_INS = {"reduce_scatter": ("all_reduce",), "all_gather": ("all_reduce", "broadcast")}
 
 
-def faster_as_all_reduce(op: str, nbytes: int, n: int, link: Link | None) -> bool:
-    """Whether a reduce-scatter or all-gather of `nbytes` (the full buffer) over `n` ranks is
-    clearly quicker done as an all-reduce of that buffer, by the link's rates. An all-reduce
-    moves twice the bytes, so it wins only where the backend's own op is slow (gloo); on a link
-    with one bandwidth for every op (NCCL's profiles) it never does."""
-    if link is None or n <= 1 or op not in ("reduce_scatter", "all_gather"):
-        return False
-    as_is = collective_time(LedgerEntry(op, "", nbytes, n), link)
-    return collective_time(LedgerEntry("all_reduce", "", nbytes, n), link) < ALL_REDUCE_MARGIN * as_is
+def _time_as(op: str, nbytes: int, n: int, link: Link) -> float:
+    if op == "broadcast":  # one per rank, of its slot
+        return n * collective_time(LedgerEntry("broadcast", "", nbytes // n, n), link)
+    return collective_time(LedgerEntry(op, "", nbytes, n), link)
+
+
+def issued_as(op: str, nbytes: int, n: int, link: Link | None) -> str:
+    """The op that a reduce-scatter or all-gather of `nbytes` (the full buffer) over `n` ranks is
+    issued as: the quickest by the link's rates of the op itself and its stand-ins, where that is
+    clearly quicker (STAND_IN_MARGIN); else the op itself. On a link with one bandwidth for every
+    op (NCCL's profiles) a stand-in moves as many bytes or more in more steps, and never wins."""
+    if link is None or n <= 1 or op not in STAND_INS:
+        return op
+    own = _time_as(op, nbytes, n, link)
+    best = min(STAND_INS[op], key=lambda alt: _time_as(alt, nbytes, n, link))
+    return best if _time_as(best, nbytes, n, link) < STAND_IN_MARGIN * own else op

@@ -108,7 +108,7 @@ def _twin_world_collectives():
     out = []
     with simulated_world(4) as comm:
         stood_in = comm.link
-        for link in (stood_in, COLLECTIVE_RULES["all-reduce"]):
+        for link in (stood_in, COLLECTIVE_RULES["all-reduce"], COLLECTIVE_RULES["broadcast"]):
             comm.link = link
             comm.ledger.clear()
             gathered, scattered, summed = torch.zeros(8), torch.zeros(2), torch.arange(3.0)
@@ -129,17 +129,19 @@ def test_a_simulated_world_is_rank_0_among_twins():
     """Every rank holds rank 0's data: gathers tile its shard, a mean-reduce-scatter keeps its slice,
     on every torch (2.11's fake group leaves the reduce-scatter's output untouched; the world writes it),
     whichever op each collective is issued as. A CPU world chooses them by gloo's rates."""
-    from sim.cost import faster_as_all_reduce
+    from sim.cost import issued_as
+    from tests.worlds import COLLECTIVE_RULES
     runs, nested, gloo_rates = in_fresh_process(_twin_world_collectives)
     assert gloo_rates
-    link = get_profile("cpu-gloo").link(4)
-    for i, (gathered, scattered, summed, ledger) in enumerate(runs):
+    links = [get_profile("cpu-gloo").link(4), COLLECTIVE_RULES["all-reduce"], COLLECTIVE_RULES["broadcast"]]
+    assert len(runs) == len(links)
+    for link, (gathered, scattered, summed, ledger) in zip(links, runs):
         assert gathered == [1.0, 2.0] * 4
         assert scattered == [0.0, 1.0]
         assert summed == [0.0, 1.0, 2.0]
-        ops = [op if i == 0 and not faster_as_all_reduce(op, 32, 4, link) else "all_reduce"
-               for op in ("all_gather", "reduce_scatter")]
-        assert ledger == [(ops[0], 32, 4), (ops[1], 32, 4), ("all_reduce", 12, 4)]
+        gather, scatter = (issued_as(op, 32, 4, link) for op in ("all_gather", "reduce_scatter"))
+        gathers = [("broadcast", 8, 4)] * 4 if gather == "broadcast" else [(gather, 32, 4)]
+        assert ledger == [*gathers, (scatter, 32, 4), ("all_reduce", 12, 4)]
     assert "already running" in nested
 
 

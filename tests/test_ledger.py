@@ -30,7 +30,7 @@ from hypothesis import given, settings
 
 from tests.bare import in_world
 from tests.worlds import COLLECTIVE_RULES, IN_RANK, agreed_max, global_batches, small_cases
-from sim.cost import faster_as_all_reduce
+from sim.cost import issued_as
 from sim.hardware import get_profile
 from sim.ledger import VOLUME_FACTOR
 from zerofunc.comm import DistCommunicator, RecordingCommunicator
@@ -62,8 +62,16 @@ def one_step(case, stage, comm, device):
 
 
 def issued(op: str, nbytes: int, n: int, link) -> str:
-    """The rule: the paper's op, or an all-reduce where the link's rates make that at least 10% quicker."""
-    return "all_reduce" if faster_as_all_reduce(op, nbytes, n, link) else op
+    """The rule: the paper's op, or the stand-in (an all-reduce; for an all-gather, broadcasts) that
+    the link's rates make quickest, if at least 10% quicker."""
+    return issued_as(op, nbytes, n, link)
+
+
+def entries_for(op: str, nbytes: int, n: int, link) -> list[tuple[str, int]]:
+    """The (op, bytes) ledger entries one collective of a unit of `nbytes` is issued as: itself, an
+    all-reduce of the same buffer, or one broadcast of each rank's slot."""
+    as_op = issued(op, nbytes, n, link)
+    return [(as_op, nbytes // n)] * n if as_op == "broadcast" else [(as_op, nbytes)]
 
 
 def check_ledgers(max_examples):
@@ -88,7 +96,7 @@ def check_ledgers(max_examples):
             volume = 0
             for op, tag in PAPER[stage]:  # each unit once per line, as the op gloo's rates choose
                 got = sorted((e.op, e.nbytes) for e in entries if e.tag == tag)
-                want = sorted((issued(op, 4 * p, n, comm.link), 4 * p) for p in padded)
+                want = sorted(sum((entries_for(op, 4 * p, n, comm.link) for p in padded), []))
                 assert got == want, f"stage {stage} {tag}: {got} vs units {want}"
                 volume += sum(VOLUME_FACTOR[o] * b for o, b in want)
             assert all(e.group_size == n and e.dtype == "float32" for e in entries)
@@ -114,15 +122,18 @@ def check_ledgers(max_examples):
 
 
 def test_gloo_rule_states_what_the_profile_measured():
-    """The cpu-gloo profile's own measurements at 64 MiB on 2 ranks: the reduce-scatter and the
-    all-gather each take at least 1.5x the all-reduce of the same buffer, so both are issued as
-    all-reduces; on an H100 node's links, and with no rates, never."""
+    """The cpu-gloo profile's own measurements at 64 MiB on 2 ranks: the reduce-scatter takes at
+    least 1.5x the all-reduce of the same buffer, so it is issued as an all-reduce; the all-gather
+    takes at least 1.5x two broadcasts of its halves, so it is issued as broadcasts. On an H100
+    node's links, and with no rates, never a stand-in."""
     link = get_profile("cpu-gloo").link(2)
-    times = {op: dict(link.op_seconds[op]) for op in ("reduce_scatter", "all_gather", "all_reduce")}
-    payload = 64 << 20
+    times = {op: dict(link.op_seconds[op]) for op in ("reduce_scatter", "all_gather", "all_reduce", "broadcast")}
+    payload = 64 << 20  # ring bytes: S/2 for the reduce-scatter and the all-gather, S for the all-reduce,
+    assert times["reduce_scatter"][payload / 2] >= 1.5 * times["all_reduce"][payload]  # S/4 per broadcast
+    assert times["all_gather"][payload / 2] >= 1.5 * 2 * times["broadcast"][payload / 4]
+    assert issued("reduce_scatter", payload, 2, link) == "all_reduce"
+    assert issued("all_gather", payload, 2, link) == "broadcast"
     for op in ("reduce_scatter", "all_gather"):
-        assert times[op][payload / 2] >= 1.5 * times["all_reduce"][payload]  # ring bytes: S/2, and S for all-reduce
-        assert issued(op, payload, 2, link) == "all_reduce"
         for other in (get_profile("h100-sxm").link(8), None):
             assert all(issued(op, s, 8, other) == op for s in (4, 1 << 20, 1 << 30))
 
@@ -156,11 +167,11 @@ def test_accumulation_communicates_as_the_stage_says(stage):
 
 def _collectives_both_ways():
     """Every rank's distinct integer-valued shards (exact in any summation order), gathered and
-    reduced by the paper's collectives and by all-reduces standing in for them."""
+    reduced by the paper's collectives, by all-reduces standing in for them, and gathered by broadcasts."""
     import torch.distributed as dist
     rank, n, k = dist.get_rank(), dist.get_world_size(), 5
     results = []
-    for link in (None, COLLECTIVE_RULES["all-reduce"]):
+    for link in (None, COLLECTIVE_RULES["all-reduce"], COLLECTIVE_RULES["broadcast"]):
         comm = DistCommunicator(link=link)
         for async_op in (False, True):
             mine = torch.arange(k, dtype=torch.float32) + 10 * rank
@@ -176,13 +187,13 @@ def _collectives_both_ways():
     return results, rank, n, k
 
 
-def test_an_all_reduce_does_what_the_collective_it_stands_for_does():
+def test_a_stand_in_does_what_the_collective_it_stands_for_does():
     for results, rank, n, k in in_world(3, _collectives_both_ways):
         want_gathered = torch.cat([torch.arange(k, dtype=torch.float32) + 10 * r for r in range(n)])
         want_summed = torch.arange(k * n, dtype=torch.float32)[rank * k:(rank + 1) * k] * sum(range(1, n + 1))
         for i, (tensors, ops) in enumerate(results):
             gathered, summed, averaged = map(torch.tensor, tensors)
-            assert ops == ({"all_gather", "reduce_scatter"} if i < 2 else {"all_reduce"})
+            assert ops == [{"all_gather", "reduce_scatter"}, {"all_reduce"}, {"broadcast", "reduce_scatter"}][i // 2]
             assert torch.equal(gathered, want_gathered), f"run {i}: {gathered}"
             assert torch.equal(summed, want_summed), f"run {i}: {summed}"
             assert torch.allclose(averaged, want_summed / n), f"run {i}: {averaged}"

@@ -25,9 +25,11 @@ IN_RANK = settings(derandomize=True, database=None, deadline=None, print_blob=Fa
 
 
 # The rules a communicator may choose its collectives by: a gloo run's own (the cpu-gloo profile's
-# rates), the ZeRO paper's ops throughout, and rates under which every collective is an all-reduce.
+# rates), the ZeRO paper's ops throughout, rates under which every collective is an all-reduce,
+# and rates under which every all-gather is done by broadcasts.
 COLLECTIVE_RULES = {"gloo's rates": "backend", "paper": None,
-                    "all-reduce": Link(0.0, 1.0, {"all_reduce": float("inf")})}
+                    "all-reduce": Link(0.0, 1.0, {"all_reduce": float("inf")}),
+                    "broadcast": Link(0.0, 1.0, {"broadcast": float("inf")})}
 
 
 def agreed_max(x: float) -> float:

@@ -8,9 +8,10 @@ which is what lets the planner claim the trainer does exactly what it simulated.
 Each collective is asked for by what it must achieve (reduce a buffer and keep this
 rank's shard; gather every rank's shard), and issued as the op the backend runs
 fastest, by its measured rates (`link`): on gloo a large reduce-scatter runs as an
-all-reduce, which moves twice the bytes in less time and stages no copy. The ledger
-holds the op actually issued, so the volume it reports is the volume sent. Without a
-link (`link=None`) every collective is the ZeRO paper's.
+all-reduce, which moves twice the bytes in less time and stages no copy, and an
+all-gather as one broadcast per rank. The ledger holds the ops actually issued, so the
+volume it reports is the volume sent. Without a link (`link=None`) every collective is
+the ZeRO paper's.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from typing import Optional, Protocol
 import torch
 import torch.distributed as dist
 
-from sim.cost import Link, faster_as_all_reduce
+from sim.cost import Link, issued_as
 from sim.hardware import get_profile
 from sim.ledger import Ledger, LedgerEntry
 from sim.memory import NoMemoryTracking
@@ -64,6 +65,17 @@ class _Staged:
             then()
 
 
+class _All:
+    """The handle of several collectives issued together (an all-gather done as broadcasts)."""
+
+    def __init__(self, handles: list):
+        self.handles = handles
+
+    def wait(self) -> None:
+        for h in self.handles:
+            h.wait()
+
+
 class Communicator:
     """Collectives over flat buffers. Subclasses implement `_run`; this class keeps the ledger.
 
@@ -72,7 +84,7 @@ class Communicator:
     it is counted in `memory` (a sim.memory.MemoryTracker, set by the engine) as
     communication buffers from launch until the collective is waited on.
     `link` holds the backend's rates, by which a reduce-scatter or an all-gather is
-    issued as an all-reduce where that is faster (sim.cost.faster_as_all_reduce).
+    issued as another op where that is faster (sim.cost.issued_as).
     """
 
     staging: dict[str, float] = {}
@@ -88,17 +100,32 @@ class Communicator:
         """Concatenate every rank's `inp` (one shard) into `out`.
 
         As an all-reduce: `out` holds `inp` in this rank's slot and zeros elsewhere, and the
-        sum over ranks is then every rank's shard in its slot, exactly (x + 0 is x).
+        sum over ranks is then every rank's shard in its slot, exactly (x + 0 is x). As
+        broadcasts: `out` holds `inp` in this rank's slot, and each rank's slot is broadcast
+        from it, all launched at once.
         """
-        if out.numel() != inp.numel() * self.world_size:
-            raise ValueError(f"all_gather: out has {out.numel()} elements, expected {inp.numel()} x {self.world_size}")
-        if self._as_all_reduce("all_gather", out):
-            start, end = self.rank * inp.numel(), (self.rank + 1) * inp.numel()
-            out[:start].zero_()
-            out[end:].zero_()
-            out[start:end].copy_(inp)
+        n = self.world_size
+        if out.numel() != inp.numel() * n:
+            raise ValueError(f"all_gather: out has {out.numel()} elements, expected {inp.numel()} x {n}")
+        op = self.gather_op(out)
+        if op == "all_gather":
+            return self._issue("all_gather", out, tag, async_op, out=out, inp=inp)
+        slots = out.view(n, -1)
+        if op == "all_reduce":
+            slots[:self.rank].zero_()
+            slots[self.rank + 1:].zero_()
+        slots[self.rank].copy_(inp.view(-1))
+        if op == "all_reduce":
             return self._issue("all_reduce", out, tag, async_op, out=out, mean=False)
-        return self._issue("all_gather", out, tag, async_op, out=out, inp=inp)
+        sends = _All([self._issue("broadcast", slot, tag, async_op, launch_only=True, out=slot, src=r)
+                      for r, slot in enumerate(slots)])
+        if not async_op:
+            sends.wait()
+        return sends
+
+    def gather_op(self, out: torch.Tensor) -> str:
+        """The op an all-gather into `out` is issued as: all_gather, all_reduce or broadcast."""
+        return issued_as("all_gather", out.numel() * out.element_size(), self.world_size, self.link)
 
     def reduce_scatter(self, out: Optional[torch.Tensor], inp: torch.Tensor, tag: str = "", mean: bool = True,
                        async_op: bool = False) -> Handle:
@@ -114,7 +141,7 @@ class Communicator:
             raise ValueError(f"reduce_scatter: inp has {inp.numel()} elements, expected "
                              f"{'a multiple of' if out is None else out.numel()} x {n}")
         mine = shard(inp, self.rank, n)
-        if self._as_all_reduce("reduce_scatter", inp):
+        if issued_as("reduce_scatter", inp.numel() * inp.element_size(), n, self.link) == "all_reduce":
             then = None if out is None else (lambda: out.copy_(mine))
             return self._issue("all_reduce", inp, tag, async_op, then=then, out=inp, mean=mean)
         then = None
@@ -130,18 +157,19 @@ class Communicator:
     def broadcast(self, t: torch.Tensor, src: int = 0, tag: str = "", async_op: bool = False) -> Handle:
         return self._issue("broadcast", t, tag, async_op, out=t, src=src)
 
-    def _as_all_reduce(self, op: str, payload: torch.Tensor) -> bool:
-        return faster_as_all_reduce(op, payload.numel() * payload.element_size(), self.world_size, self.link)
-
-    def _issue(self, op: str, payload: torch.Tensor, tag: str, async_op: bool, then=None, **kw) -> Handle:
+    def _issue(self, op: str, payload: torch.Tensor, tag: str, async_op: bool, then=None, launch_only: bool = False,
+               **kw) -> Handle:
+        """Run one collective and write it in the ledger (`async_op`: as launched to run behind
+        compute). `launch_only`: launch it asynchronously whatever `async_op` says, for the caller
+        to wait on with others (the broadcasts of one all-gather)."""
         nbytes = payload.numel() * payload.element_size()
         self.ledger.append(LedgerEntry(op, str(payload.dtype).removeprefix("torch."), nbytes, self.world_size, tag,
                                        async_op))
         staged = int(nbytes * self.staging.get(op, 0.0))
         key = self.memory.hold(staged) if staged else None
         with self.memory.backend():
-            handle = _Staged(self._run(op, async_op=async_op, **kw), self.memory, key, then)
-        if not async_op:
+            handle = _Staged(self._run(op, async_op=async_op or launch_only, **kw), self.memory, key, then)
+        if not (async_op or launch_only):
             handle.wait()
         return handle
 

@@ -41,9 +41,10 @@ class TwinCommunicator(DistCommunicator):
         self._write_scatter = not _fake_reduce_scatter_writes()
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, tag: str = "", async_op: bool = False) -> Handle:
-        as_all_reduce = self._as_all_reduce("all_gather", out)
+        stood_in = self.gather_op(out) != "all_gather"
         handle = super().all_gather(out, inp, tag, async_op)
-        if as_all_reduce:  # the fake all-reduce leaves the other slots zero: tile rank 0's shard, as its twins hold it
+        if stood_in:  # a fake all-reduce or broadcast leaves the other slots as they were:
+            # tile rank 0's shard, as its twins hold it
             out.view(self.world_size, -1).copy_(inp.view(1, -1).expand(self.world_size, -1))
         return handle
 
