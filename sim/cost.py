@@ -31,7 +31,7 @@ class Link:
     op_bandwidth: dict[str, float] = field(default_factory=dict)
     # Measured: op -> ((bytes each rank sends in a ring, seconds), ...) in ascending bytes, taken
     # on a group of `measured_ranks`. Between points the time is interpolated, past the last one
-    # extrapolated along the last segment; another group size adds or removes alpha per hop.
+    # scaled with the bytes; another group size adds or removes alpha per hop.
     op_seconds: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     measured_ranks: int = 2
 
@@ -59,10 +59,13 @@ class Link:
 
 def _interpolate(points: tuple[tuple[float, float], ...], x: float) -> float:
     """Piecewise linear through the points; the first point's time below it (the latency floor),
-    the last segment's slope beyond the last point (the bandwidth)."""
+    and beyond the last point that point's bandwidth: its time scaled by x over its bytes. (Not
+    the last segment's slope: medians of noisy neighbours can make it flat or negative.)"""
     if x <= points[0][0]:
         return points[0][1]
-    i = min(bisect.bisect_left([s for s, _ in points], x), len(points) - 1)
+    if x >= points[-1][0]:
+        return points[-1][1] * x / points[-1][0]
+    i = bisect.bisect_left([s for s, _ in points], x)
     (x0, t0), (x1, t1) = points[i - 1], points[i]
     return t0 + (t1 - t0) * (x - x0) / (x1 - x0)
 

@@ -30,7 +30,7 @@ from hypothesis import given, settings
 
 from tests.bare import in_world
 from tests.worlds import COLLECTIVE_RULES, IN_RANK, agreed_max, global_batches, small_cases
-from sim.cost import issued_as
+from sim.cost import Link, issued_as
 from sim.hardware import get_profile
 from sim.ledger import VOLUME_FACTOR
 from zerofunc.comm import DistCommunicator, RecordingCommunicator
@@ -136,6 +136,18 @@ def test_gloo_rule_states_what_the_profile_measured():
     for op in ("reduce_scatter", "all_gather"):
         for other in (get_profile("h100-sxm").link(8), None):
             assert all(issued(op, s, 8, other) == op for s in (4, 1 << 20, 1 << 30))
+
+
+def test_measured_times_are_read_between_points_and_scaled_past_them():
+    """A link's measured times: the first below it, linear between points, the last point's
+    bandwidth beyond it (a falling last segment must not make a bigger collective free), and
+    alpha per hop more for a bigger group than the one measured."""
+    link = Link(1e-3, 1.0, op_seconds={"all_gather": ((100.0, 1.0), (200.0, 3.0), (300.0, 2.0))})
+    assert link.time("all_gather", 10.0, 2) == 1.0
+    assert link.time("all_gather", 150.0, 2) == pytest.approx(2.0)
+    assert link.time("all_gather", 600.0, 2) == pytest.approx(4.0)
+    assert link.time("all_gather", 150.0, 4) == pytest.approx(2.0 + 2e-3)
+    assert link.time("all_gather", 150.0, 1) == 0.0
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
