@@ -111,11 +111,10 @@ class Communicator:
         if op == "all_gather":
             return self._issue("all_gather", out, tag, async_op, out=out, inp=inp)
         slots = out.view(n, -1)
-        if op == "all_reduce":
+        slots[self.rank].copy_(inp.view(-1))
+        if op == "all_reduce":  # every other slot zero: the sum leaves each rank's shard in its own
             slots[:self.rank].zero_()
             slots[self.rank + 1:].zero_()
-        slots[self.rank].copy_(inp.view(-1))
-        if op == "all_reduce":
             return self._issue("all_reduce", out, tag, async_op, out=out, mean=False)
         sends = _All([self._issue("broadcast", slot, tag, async_op, launch_only=True, out=slot, src=r)
                       for r, slot in enumerate(slots)])
