@@ -28,9 +28,10 @@ training runs 2 ranks on 2 cores):
   reduce_scatter (`dist.reduce_scatter_single`) and all_reduce on 2 ranks, fp32 payloads
   S = 4 KiB to 64 MiB (S = all-gather output, reduce-scatter input, all-reduce buffer); and
   broadcast, as an all-gather is issued by broadcasts: every rank broadcasting its S/n slot
-  at once, the time divided by n, each broadcast counted as one of S/n bytes. Each repeat: `dist.barrier()`, time the op; the repeat's time
-  is the max over ranks; median over the repeats (40 for S <= 4 MiB, 8 above) after 3
-  warm-ups; `measured.collective_spread_s` gives min / p25 / p75 / max as well.
+  at once, the time divided by n, each broadcast counted as one of S/n bytes. Each
+  repeat: `dist.barrier()`, time the op; the repeat's time is the max over ranks; median
+  over the repeats (40 for S <= 4 MiB, 8 above) after 3 warm-ups;
+  `measured.collective_spread_s` gives min / p25 / p75 / max as well.
   Model with n ranks:  all_gather / reduce_scatter: (n-1)*alpha + (n-1)/n * S / bw;
                        all_reduce: 2(n-1)*alpha + 2(n-1)/n * S / bw.
   t = c1*alpha + c2*S*(1/bw) is linear in (alpha, 1/bw); `link` is the ordinary least
@@ -206,8 +207,8 @@ def main(raw: bool = False, record: bool = False) -> None:
     sys.stdout.write("\n")
     if record:
         from sim.hardware import record_measured
-        figures = {"flops": flops, "compute_efficiency": efficiency, "memory_bandwidth": mem_bw, "intra_node": profile["link"],
-                   "inter_node": profile["link"], "op_overhead_s": profile["op_overhead_s"],
+        figures = {"flops": flops, "compute_efficiency": efficiency, "memory_bandwidth": mem_bw,
+                   "intra_node": profile["link"], "inter_node": profile["link"], "op_overhead_s": profile["op_overhead_s"],
                    "overlap_hidden": profile["overlap_hidden"]}
         where = record_measured("cpu-gloo", figures, f"benchmarks/measure_cpu_profile.py --record, "
                                 f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, load {load_before:.2f} before")

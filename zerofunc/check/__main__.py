@@ -155,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         if worst is not None:
             print(f"worst peak: stage {worst.stage} x {worst.world_size} ranks, planned/measured {worst.peak_ratio:.4f}")
         print("measured: " + ("torch.cuda.max_memory_allocated of each step" if cuda else
-                              "the memory tracker on the real tensors of each step") + "; comm: the volume sent, an all-reduce of S bytes counting 2S")
+                              "the memory tracker on the real tensors of each step")
+              + "; comm: the volume sent, an all-reduce of S bytes counting 2S")
     if failed:
         print("check failed: " + "; ".join(failed), file=sys.stderr)
         return 1
