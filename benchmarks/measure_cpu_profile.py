@@ -208,8 +208,8 @@ def main(raw: bool = False, record: bool = False) -> None:
     if record:
         from sim.hardware import record_measured
         figures = {"flops": flops, "compute_efficiency": efficiency, "memory_bandwidth": mem_bw,
-                   "intra_node": profile["link"], "inter_node": profile["link"], "op_overhead_s": profile["op_overhead_s"],
-                   "overlap_hidden": profile["overlap_hidden"]}
+                   "intra_node": profile["link"], "inter_node": profile["link"],
+                   "op_overhead_s": profile["op_overhead_s"], "overlap_hidden": profile["overlap_hidden"]}
         where = record_measured("cpu-gloo", figures, f"benchmarks/measure_cpu_profile.py --record, "
                                 f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, load {load_before:.2f} before")
         print(f"[measure] recorded into {where}", file=sys.stderr)
