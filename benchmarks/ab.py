@@ -4,9 +4,10 @@ Each variant is one of `benchmarks/peers.py`'s implementations (same model, data
 and optimizer), optionally with zerofunc's all-gathers forced to one op
 (`zerofunc-3:broadcast`, `:all_reduce` or `:all_gather`) in place of the op gloo's
 measured rates choose. Per variant it prints the median step time over the runs, and
-per step: the seconds zerofunc spent in a collective's `wait()` (communication not
-hidden; 0 for peers, which are not instrumented) and the CPU seconds of the whole rank
-process (compute, plus the threads gloo copies in).
+per step (rank 0's, averaged over every step, warm-up included): the seconds zerofunc
+spent in a collective's `wait()` (communication not hidden; 0 for peers, which are not
+instrumented) and the CPU seconds of the whole rank process (compute, plus the threads
+gloo copies in).
 
 Usage: python benchmarks/ab.py --model 30m --repeat 5 zerofunc-1 zero-redundancy-opt
        python benchmarks/ab.py --model 30m zerofunc-0 zerofunc-3:broadcast zerofunc-3:all_gather
