@@ -59,6 +59,10 @@ def parse_variant(text: str, ap: argparse.ArgumentParser) -> tuple[str, str | No
     return impl, op or None
 
 
+def label(impl: str, op: str | None) -> str:
+    return f"{impl}:{op}" if op else impl
+
+
 def main(argv=None) -> int:
     from zerofunc.launch import RankError, spawn
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -78,15 +82,15 @@ def main(argv=None) -> int:
             except RankError as e:
                 print(f"error: {impl} failed: {str(e).strip().splitlines()[-1]}", file=sys.stderr)
                 return 1
-            runs[(impl, op)].append((statistics.median(out["times"][warmup:]), out["wait_s"], out["cpu_s"]))
-            print(f"# run {r + 1}/{args.repeat} {impl}{':' + op if op else ''}: step {runs[(impl, op)][-1][0]:.3f} s",
-                  file=sys.stderr, flush=True)
+            step = statistics.median(out["times"][warmup:])
+            runs[(impl, op)].append((step, out["wait_s"], out["cpu_s"]))
+            print(f"# run {r + 1}/{args.repeat} {label(impl, op)}: step {step:.3f} s", file=sys.stderr, flush=True)
     print(f"model {args.model}, {peers.WORLD} gloo ranks, {steps} steps (median over steps {warmup + 1}-{steps}), "
           f"{args.repeat} interleaved runs")
     print(f"{'variant':<28} {'step s':>7} {'wait s':>7} {'cpu s':>7}  runs")
     for (impl, op), rows in runs.items():
         step, wait, cpu = (statistics.median(row[i] for row in rows) for i in range(3))
-        print(f"{impl + (':' + op if op else ''):<28} {step:>7.3f} {wait:>7.3f} {cpu:>7.3f}  "
+        print(f"{label(impl, op):<28} {step:>7.3f} {wait:>7.3f} {cpu:>7.3f}  "
               + " ".join(f"{row[0]:.3f}" for row in rows))
     return 0
 
