@@ -61,6 +61,8 @@ class _UnitBoundary(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if not ctx.engine._in_backward:  # loss.backward(): the gradient would be kept but never reduced or stepped
+            raise RuntimeError("backward ran outside the engine: call engine.backward(loss), not loss.backward()")
         ctx.engine._unit_backward(ctx.unit, grad)
         return None, None, None
 
@@ -106,6 +108,7 @@ class ZeroEngine:
             raise ValueError("optimizer offload needs ZeRO stage 1, 2 or 3 (stage 0 keeps no optimizer shard)")
         self.grad_accum = grad_accum
         self.micro_step = 0          # backward passes since the last optimizer step
+        self._in_backward = False    # inside engine.backward(): the only place unit gradients may arrive
         self.model, self.stage, self.comm, self.optim, self.overlap = model, stage, comm, optim, overlap
         self._reducing = InFlight(overlap.bucket_bytes)
         self.device = torch.device(device)
@@ -155,14 +158,28 @@ class ZeroEngine:
         if self._root is not None:
             self.gathering.gather(self._root, "params.fwd")
             views = self._unit_views(self._root)
-        with self.memory.category("activations"):
-            if not self.stage.shard_params:
-                return functional_call(self.model, views, args, kwargs)
-            with self.gathering.saved_tensors_hooks():
-                out = functional_call(self.model, views, args, kwargs)
+        try:
+            with self.memory.category("activations"):
+                if not self.stage.shard_params:
+                    return functional_call(self.model, views, args, kwargs)
+                with self.gathering.saved_tensors_hooks():
+                    out = functional_call(self.model, views, args, kwargs)
+        except BaseException:
+            self._abandon_forward()
+            raise
         if self._root is not None:
             self.gathering.release(self._root)
         return out
+
+    def _abandon_forward(self) -> None:
+        """A forward that raised skipped its blocks' forward hooks: give the model its own parameters
+        back and free what stage 3 gathered, so that the next call starts as after a finished step."""
+        for unit in self.gathering.blocks:
+            if unit.bound is not None:
+                _bind(self.model, unit.bound)
+                unit.bound = None
+        for unit in self.units:
+            self.gathering.release(unit)
 
     def _unit_views(self, unit: Unit) -> dict[str, torch.Tensor]:
         return unit.layout.views(_UnitBoundary.apply(self._anchor, self, unit))
@@ -205,8 +222,12 @@ class ZeroEngine:
         self._boundary = self.micro_step + 1 == self.grad_accum
         scaler = self.optimizer.loss_scaler
         scale = (scaler.scale if scaler else 1.0) / self.grad_accum
-        with self.memory.category("activations"):
-            (loss * scale if scale != 1.0 else loss).backward()
+        self._in_backward = True
+        try:
+            with self.memory.category("activations"):
+                (loss * scale if scale != 1.0 else loss).backward()
+        finally:
+            self._in_backward = False
         self._reducing.drain()
         self.gathering.release_blocks()
         self.micro_step += 1
@@ -231,7 +252,7 @@ class ZeroEngine:
                 unit.grad = unit.local_grad
                 self._reducing.add(comm.all_reduce(unit.local_grad, tag="grads", async_op=overlapped), nbytes)
                 return
-        self.memory.track(grad, "buffers")  # only sent
+        self.memory.track(grad, "buffers" if stage.shard_grads else "grads")  # 2-3: only sent; 1: the gradient kept
         reduced = None  # ZeRO-1 keeps the full gradient: the reduced shard lands in its own slice
         if stage.shard_grads:
             with self.memory.category("grads"):
@@ -256,6 +277,8 @@ class ZeroEngine:
         Returns whether the parameters changed (False before a boundary, and when fp16
         gradients overflowed on any rank).
         """
+        if self.micro_step == 0:
+            raise RuntimeError("step() with no engine.backward(loss) since the last step: nothing to update")
         if self.micro_step < self.grad_accum:
             return False
         self.micro_step = 0
@@ -272,6 +295,12 @@ class ZeroEngine:
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """The reduced gradient of every parameter, whole (between backward and step)."""
         return self._unflatten(lambda u: u.grad, sharded=self.stage.shard_optimizer)
+
+    @torch.no_grad()
+    def full_moments(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """AdamW's first and second moments of every parameter, whole, on every rank (between steps)."""
+        sharded = self.stage.shard_optimizer
+        return self._unflatten(lambda u: u.m, sharded), self._unflatten(lambda u: u.v, sharded)
 
     def _unflatten(self, get: Callable[[Unit], torch.Tensor], sharded: bool) -> dict[str, torch.Tensor]:
         out = {}
