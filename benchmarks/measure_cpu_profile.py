@@ -55,10 +55,13 @@ Xeon.
 Usage:  python benchmarks/measure_cpu_profile.py > profile.json
         (add --raw to keep every repeat's time per rank in `measured`;
          --record to also write flops, memory_bandwidth and the links into the
-         cpu-gloo profile of sim/profiles.json, which every plan for this machine reads)
+         cpu-gloo profile of the user's profiles file, which every plan and run for this machine
+         reads over the shipped one: --profiles FILE, default $ZEROFUNC_PROFILES, else
+         ~/.config/zerofunc/profiles.json; the package's sim/profiles.json is never written)
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -103,7 +106,8 @@ def _public(fit: dict) -> dict:
     return {k: v for k, v in fit.items() if not k.startswith("_")}
 
 
-def main(raw: bool = False, record: bool = False) -> None:
+def main(raw: bool = False, record: bool = False) -> int:
+    """Measure, print the JSON, and with `record` write the figures to the user's profiles file."""
     start = time.perf_counter()
     load_before = os.getloadavg()[0]
     results = spawn(rank_work, NPROC)
@@ -206,14 +210,48 @@ def main(raw: bool = False, record: bool = False) -> None:
     json.dump(profile, sys.stdout, indent=1)
     sys.stdout.write("\n")
     if record:
-        from sim.hardware import record_measured
-        figures = {"flops": flops, "compute_efficiency": efficiency, "memory_bandwidth": mem_bw,
-                   "intra_node": profile["link"], "inter_node": profile["link"],
-                   "op_overhead_s": profile["op_overhead_s"], "overlap_hidden": profile["overlap_hidden"]}
-        where = record_measured("cpu-gloo", figures, f"benchmarks/measure_cpu_profile.py --record, "
-                                f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, load {load_before:.2f} before")
+        try:
+            where = record_profile(profile, f"benchmarks/measure_cpu_profile.py --record, {time.strftime('%Y-%m-%d')}, "
+                                   f"torch {torch.__version__}, load {load_before:.2f} before")
+        except OSError as e:
+            print(f"error: cannot write {e.filename}: {e.strerror}", file=sys.stderr)
+            return 2
+        except ValueError as e:  # figures the planner could not load: the JSON above still has them
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         print(f"[measure] recorded into {where}", file=sys.stderr)
+    return 0
+
+
+def record_profile(profile: dict, source: str):
+    """Write what the planner reads of a measured `profile` into the cpu-gloo profile of the user's
+    profiles file (sim.hardware.user_path): the package's own profiles.json is never written."""
+    from sim.hardware import record_measured
+    figures = {"flops": profile["flops"], "compute_efficiency": profile["compute_efficiency"],
+               "memory_bandwidth": profile["memory_bandwidth"], "intra_node": profile["link"],
+               "inter_node": profile["link"], "op_overhead_s": profile["op_overhead_s"],
+               "overlap_hidden": profile["overlap_hidden"]}
+    return record_measured("cpu-gloo", figures, source)
+
+
+def cli(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python benchmarks/measure_cpu_profile.py",
+                                description="Measure this CPU as a 2-rank gloo machine; print the profile as JSON.")
+    p.add_argument("--raw", action="store_true", help="keep every repeat's time per rank in `measured`")
+    p.add_argument("--record", action="store_true",
+                   help="also write the figures into the cpu-gloo profile of the user's profiles file")
+    p.add_argument("--profiles", metavar="FILE", default=None,
+                   help="the profiles file --record writes, created if absent (default: $ZEROFUNC_PROFILES, else "
+                        "$XDG_CONFIG_HOME/zerofunc/profiles.json)")
+    a = p.parse_args(argv)
+    from sim.hardware import use_profiles
+    try:  # a file that cannot be used is told before a minute of measuring, in one line
+        use_profiles(a.profiles, must_exist=False)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return main(raw=a.raw, record=a.record)
 
 
 if __name__ == "__main__":
-    main(raw="--raw" in sys.argv[1:], record="--record" in sys.argv[1:])
+    sys.exit(cli())

@@ -1,4 +1,6 @@
-"""Hardware profiles: what a device computes, stores and sends. Kept as data in profiles.json.
+"""Hardware profiles: what a device computes, stores and sends. Kept as data: the package's
+profiles.json, read-only, and a user's own file of measured figures that overrides it by profile name
+(`user_path`: $ZEROFUNC_PROFILES, else ~/.config/zerofunc/profiles.json), where the recorders write.
 
 A profile gives per-device memory, sustained matmul rates per dtype, memory bandwidth,
 the link within a node and the network between nodes (alpha-beta), which
@@ -8,15 +10,39 @@ come from; figures not measured here are marked as published or assumed.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import tempfile
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, lru_cache
 from importlib import resources
 from pathlib import Path
 
 from sim.cost import Link
 
 ATTENTION_KERNELS = ("math", "flash", "efficient", "flash_cpu")
+PROFILES_ENV = "ZEROFUNC_PROFILES"  # the user's profiles file, overriding the default under ~/.config
+MEASURED = "measured: "             # the key of a source that says which figures were measured, and how
+
+# A profile's fields in profiles.json, and what each must hold
+FIELDS = {"description": "text", "memory_gib": "number", "reserved_gib": "number", "flops": "numbers",
+          "compute_efficiency": "number", "memory_bandwidth": "number", "devices_per_node": "count",
+          "intra_node": "link", "inter_node": "link", "attention": "text", "sources": "sources",
+          "host_memory_gib": "number", "host_link_bandwidth": "number", "cpu_adamw_params_per_s": "number",
+          "collective_staging": "numbers", "device_names": "texts", "op_overhead_s": "number",
+          "overlap_hidden": "number"}
+OPTIONAL = ("collective_staging", "device_names", "op_overhead_s", "overlap_hidden")
+REQUIRED = tuple(k for k in FIELDS if k not in OPTIONAL)
+LINK_FIELDS = {"alpha_s": "number", "bandwidth": "number", "op_bandwidth": "numbers", "op_seconds": "points",
+               "measured_ranks": "count"}
+_KIND_WORDS = {"number": "a number", "count": "a positive integer", "text": "a string", "texts": "a list of strings",
+               "numbers": "an object of numbers", "sources": "an object of strings", "link": "an object",
+               "points": "an object of lists of [bytes, seconds] pairs"}
+
+
+class ProfilesError(ValueError):
+    """A profiles file that cannot be used, in one line that names it."""
 
 
 @dataclass(frozen=True)
@@ -57,28 +83,177 @@ class Profile:
 
 
 @cache
+def _shipped() -> dict:
+    """The package's own profiles: read, never written."""
+    return json.loads(shipped_path().read_text())
+
+
+def shipped_path() -> Path:
+    return Path(str(resources.files("sim").joinpath("profiles.json")))
+
+
+def user_path() -> Path:
+    """The user's profiles file: $ZEROFUNC_PROFILES, else $XDG_CONFIG_HOME/zerofunc/profiles.json
+    (~/.config/zerofunc/profiles.json). It need not exist; where it does, its entries override the
+    shipped profiles by name. An environment variable rather than an argument, so that every process
+    of a run (the planner, the trainer's ranks, torchrun's) reads the same file."""
+    if os.environ.get(PROFILES_ENV):
+        return Path(os.environ[PROFILES_ENV]).expanduser()
+    config = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config").expanduser()
+    return config / "zerofunc" / "profiles.json"
+
+
+def use_profiles(path: str | os.PathLike | None, must_exist: bool = True) -> Path:
+    """Point this process, and the processes it starts, at the profiles file `path` (None: keep the
+    default), and check that file now: ProfilesError, one line naming it, if it cannot be used.
+    `must_exist`: a file named explicitly must be there (a recorder may create it)."""
+    if path is not None:
+        path = Path(path).expanduser()
+        if must_exist and not path.is_file():
+            raise ProfilesError(f"--profiles {path}: {'not a file' if path.exists() else 'no such file'}")
+        os.environ[PROFILES_ENV] = str(path.resolve())  # absolute: a rank started elsewhere reads the same file
+    profiles()
+    return user_path()
+
+
 def profiles() -> dict[str, Profile]:
-    raw = json.loads(resources.files("sim").joinpath("profiles.json").read_text())
-    out = {}
-    for name, p in raw.items():
-        if p["attention"] not in ATTENTION_KERNELS:
-            raise ValueError(f"profile {name}: unknown attention kernel {p['attention']!r}")
-        out[name] = Profile(name=name, description=p["description"],
-                            memory_bytes=int(p["memory_gib"] * 2**30), reserved_bytes=int(p["reserved_gib"] * 2**30),
-                            flops=p["flops"], compute_efficiency=p["compute_efficiency"],
-                            memory_bandwidth=p["memory_bandwidth"], devices_per_node=p["devices_per_node"],
-                            intra_node=_link(p["intra_node"]), inter_node=_link(p["inter_node"]),
-                            attention=p["attention"], collective_staging=p.get("collective_staging", {}),
-                            sources=p["sources"], device_names=tuple(p.get("device_names", ())),
-                            host_memory_bytes=int(p["host_memory_gib"] * 2**30),
-                            host_link_bandwidth=p["host_link_bandwidth"], cpu_adamw_params_per_s=p["cpu_adamw_params_per_s"],
-                            op_overhead_s=p.get("op_overhead_s", 0.0), overlap_hidden=p.get("overlap_hidden", 1.0))
+    """The shipped profiles, overridden by name by the user's (`user_path`), read again when that
+    file changes (a recording, an edit, another file named)."""
+    path = user_path()
+    try:
+        st = path.stat()
+        stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+    except OSError:
+        stamp = None  # absent, or unreadable: _read_user says which
+    return _profiles(str(path), stamp)
+
+
+@lru_cache(maxsize=8)
+def _profiles(user: str, stamp: tuple | None) -> dict[str, Profile]:
+    raw = _overlay(_shipped(), _read_user(Path(user)))
+    return {name: _profile(name, p, user) for name, p in raw.items()}
+
+
+def _read_user(path: Path) -> dict:
+    """The user's entries by profile name; {} where there is no file."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return {}
+    except (OSError, UnicodeDecodeError) as e:
+        raise ProfilesError(f"{path}: cannot read it: {getattr(e, 'strerror', None) or e}") from None
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ProfilesError(f"{path}: not JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ProfilesError(f"{path}: expected an object of hardware profiles by name, got a {type(raw).__name__}")
+    for name, entry in raw.items():
+        if not isinstance(entry, dict):
+            raise ProfilesError(f"{path}: profile {name!r} is a {type(entry).__name__}, not an object of fields")
+        try:
+            _check_fields(FIELDS, entry)
+            for side in ("intra_node", "inter_node"):
+                _check_fields(LINK_FIELDS, entry.get(side, {}))
+        except ValueError as e:
+            raise ProfilesError(f"{path}: profile {name!r}: {e}") from None
+    return raw
+
+
+def _check_fields(kinds: dict[str, str], entry: dict) -> None:
+    unknown = sorted(set(entry) - set(kinds))
+    if unknown:
+        raise ValueError(f"unknown field(s) {', '.join(unknown)}; known: {', '.join(kinds)}")
+    for key, value in entry.items():
+        if not _is(kinds[key], value):
+            raise ValueError(f"{key} must be {_KIND_WORDS[kinds[key]]}, got {json.dumps(value)[:80]}")
+
+
+def _overlay(shipped: dict, user: dict) -> dict:
+    out = dict(shipped)
+    for name, entry in user.items():
+        out[name] = _updated(shipped[name], entry) if name in shipped else entry
     return out
 
 
+def _updated(entry: dict, update: dict) -> dict:
+    """`entry` with the fields of `update`: an object's keys update the entry's (a profile's flops per
+    dtype, a link's fields), anything else replaces it. Sources are kept, but where `update` says what
+    it measured, the entry's own "measured: ..." sources go (they describe figures now replaced)."""
+    out = dict(entry)
+    for key, value in update.items():
+        if key != "sources":
+            out[key] = {**out[key], **value} if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    mine = update.get("sources", {})
+    measured = any(k.startswith(MEASURED) for k in mine)
+    out["sources"] = {**mine, **{k: v for k, v in entry.get("sources", {}).items()
+                                 if k not in mine and not (measured and k.startswith(MEASURED))}}
+    return out
+
+
+def _profile(name: str, p: dict, where: str) -> Profile:
+    """A profile from its JSON entry, or ProfilesError saying which field of which file is wrong."""
+    def bad(what: str) -> ProfilesError:
+        return ProfilesError(f"{where}: profile {name!r}: {what}")
+
+    missing = [k for k in REQUIRED if k not in p]
+    if missing:
+        raise bad(f"missing field(s) {', '.join(missing)}" + ("" if name in _shipped() else
+                                                             " (a profile not shipped must give every field)"))
+    try:
+        _check_fields(FIELDS, p)
+    except ValueError as e:
+        raise bad(str(e)) from None
+    if p["attention"] not in ATTENTION_KERNELS:
+        raise bad(f"unknown attention kernel {p['attention']!r}; choose one of {', '.join(ATTENTION_KERNELS)}")
+    links = {}
+    for side in ("intra_node", "inter_node"):
+        try:
+            links[side] = _link(p[side])
+        except ValueError as e:
+            raise bad(f"{side}: {e}") from None
+    return Profile(name=name, description=p["description"],
+                   memory_bytes=int(p["memory_gib"] * 2**30), reserved_bytes=int(p["reserved_gib"] * 2**30),
+                   flops=p["flops"], compute_efficiency=p["compute_efficiency"],
+                   memory_bandwidth=p["memory_bandwidth"], devices_per_node=p["devices_per_node"],
+                   intra_node=links["intra_node"], inter_node=links["inter_node"],
+                   attention=p["attention"], collective_staging=p.get("collective_staging", {}),
+                   sources=p["sources"], device_names=tuple(p.get("device_names", ())),
+                   host_memory_bytes=int(p["host_memory_gib"] * 2**30),
+                   host_link_bandwidth=p["host_link_bandwidth"], cpu_adamw_params_per_s=p["cpu_adamw_params_per_s"],
+                   op_overhead_s=p.get("op_overhead_s", 0.0), overlap_hidden=p.get("overlap_hidden", 1.0))
+
+
 def _link(raw: dict) -> Link:
+    _check_fields(LINK_FIELDS, raw)
+    missing = [k for k in ("alpha_s", "bandwidth") if k not in raw]
+    if missing:
+        raise ValueError(f"missing field(s) {', '.join(missing)}")
     measured = {op: tuple((float(s), float(t)) for s, t in points) for op, points in raw.get("op_seconds", {}).items()}
     return Link(**{**raw, "op_seconds": measured})
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _is(kind: str, x) -> bool:
+    if kind == "number":
+        return _number(x)
+    if kind == "count":
+        return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+    if kind == "text":
+        return isinstance(x, str)
+    if kind == "texts":
+        return isinstance(x, list) and all(isinstance(v, str) for v in x)
+    if kind == "numbers":
+        return isinstance(x, dict) and all(_number(v) for v in x.values())
+    if kind == "sources":
+        return isinstance(x, dict) and all(isinstance(v, str) for v in x.values())
+    if kind == "points":
+        return isinstance(x, dict) and all(isinstance(pts, list) and all(
+            isinstance(pt, list) and len(pt) == 2 and all(map(_number, pt)) for pt in pts) for pts in x.values())
+    return isinstance(x, dict)  # "link": its own fields are checked by _link
 
 
 def profile_for_device(device_name: str) -> Profile:
@@ -90,26 +265,43 @@ def profile_for_device(device_name: str) -> Profile:
 
 
 def record_measured(name: str, figures: dict, source: str, path: Path | None = None) -> Path:
-    """Write measured `figures` (profile fields: flops, memory_bandwidth, memory_gib) into profile `name`
-    of `path` (default: the profiles.json every plan reads).
+    """Write measured `figures` (profile fields: flops, memory_bandwidth, memory_gib, links, ...) for
+    profile `name` into the user's profiles file `path` (default `user_path()`, the file every plan and
+    every run of this user reads), where they override the shipped figures. Never into the package:
+    an installed package does not rewrite itself.
 
-    The file is replaced whole (written beside it, then renamed), so a reader never
-    sees half of it; `source` says how the figures were measured.
+    The file is replaced whole (written beside it, then renamed), so a reader never sees half of
+    it, and only after the result is known to load; `source` says how the figures were measured.
     """
-    path = path or Path(str(resources.files("sim").joinpath("profiles.json")))
-    raw = json.loads(path.read_text())
-    if name not in raw:
-        raise ValueError(f"unknown hardware {name!r}; choose one of {', '.join(raw)}")
-    entry = raw[name]
-    for key, value in figures.items():
-        entry[key] = {**entry[key], **value} if isinstance(value, dict) else value
-    entry["sources"] = {"measured: " + ", ".join(figures): source,
-                        **{k: v for k, v in entry["sources"].items() if not k.startswith("measured: ")}}
-    tmp = path.with_name(f".{path.name}.partial")
-    tmp.write_text(json.dumps(raw, indent=2) + "\n")
-    tmp.replace(path)
-    profiles.cache_clear()
+    path = Path(path) if path is not None else user_path()
+    if path.resolve() == shipped_path().resolve():
+        raise ValueError(f"{path} is the package's own profiles, which it ships read-only; "
+                         f"record into a user file (--profiles FILE, or ${PROFILES_ENV})")
+    user = _read_user(path)
+    if name not in _shipped() and name not in user:
+        raise ValueError(f"unknown hardware {name!r}; choose one of {', '.join({**_shipped(), **user})}")
+    user[name] = _updated(user.get(name, {}), {**figures, "sources": {MEASURED + ", ".join(figures): source}})
+    for n, p in _overlay(_shipped(), user).items():  # what is written must load
+        _profile(n, p, str(path))
+    _write_atomic(path, json.dumps(user, indent=2) + "\n")
+    _profiles.cache_clear()
     return path
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o644)  # mkstemp's is 0o600
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
 
 
 def get_profile(name: str) -> Profile:

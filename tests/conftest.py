@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import tempfile
 
 import pytest
 import torch
@@ -14,6 +15,11 @@ if not torch.cuda.is_available():
     # interpreter is the only way the kernels run; spawned ranks inherit the setting
     # but keep to the torch reference unless ZEROFUNC_TRITON=1.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Hardware profiles: the shipped ones only. A developer's own file ($ZEROFUNC_PROFILES, or
+# ~/.config/zerofunc/profiles.json: sim/hardware.py) must not change what a test sees, nor a test write
+# it; ranks and subprocesses inherit this absent file. A test of the user's file sets its own.
+os.environ["ZEROFUNC_PROFILES"] = os.path.join(tempfile.gettempdir(), f"zerofunc-tests-{os.getpid()}", "profiles.json")
 
 # A GPU image may carry torch and pytest but not hypothesis, and nothing can be installed
 # there. The property-based modules then cannot even be collected; leave them out, say

@@ -5,11 +5,11 @@ fresh process: the command itself, or a spawned worker.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import multiprocessing
 import os
-import shutil
 import subprocess
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sim.hardware import get_profile, profile_for_device, record_measured
-from zerofunc.check.__main__ import main as check_main
+from sim.hardware import get_profile, profile_for_device
+from zerofunc.check.__main__ import calibrate, main as check_main
 from zerofunc.check.cells import Cell
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,20 +69,32 @@ def test_fp16_is_planned_with_its_loss_scaler():
     assert_plan_holds(cells, 0.02)
 
 
-def test_profiles_are_found_by_device_name_and_calibration_is_recorded(tmp_path):
+def test_profiles_are_found_by_device_name_and_calibration_is_recorded(tmp_path, monkeypatch, capsys):
+    """--calibrate (its measurement stood in for: no GPU here) writes the device's figures into the user's
+    profiles file, over the shipped profile of that name; the package's profiles.json stays as shipped."""
     assert profile_for_device("NVIDIA H200").name == "h200-sxm"
     assert profile_for_device("NVIDIA H100 80GB HBM3").name == "h100-sxm"
     with pytest.raises(ValueError, match="no hardware profile matches 'Tesla T4'"):
         profile_for_device("Tesla T4")
-    path = tmp_path / "profiles.json"
-    shutil.copy(resources.files("sim").joinpath("profiles.json"), path)
-    before = json.loads(path.read_text())
-    record_measured("h200-sxm", {"flops": {"bf16": 7.9e14}, "memory_bandwidth": 4.3e12}, "measured here", path)
-    after = json.loads(path.read_text())
-    entry = after.pop("h200-sxm")
-    assert entry["flops"] == {**before["h200-sxm"]["flops"], "bf16": 7.9e14} and entry["memory_bandwidth"] == 4.3e12
-    assert entry["sources"]["measured: flops, memory_bandwidth"] == "measured here"
-    assert after == {k: v for k, v in before.items() if k != "h200-sxm"}  # the other profiles untouched
+    shipped = Path(str(resources.files("sim").joinpath("profiles.json")))
+    digest = hashlib.sha256(shipped.read_bytes()).hexdigest()
+    before = get_profile("h200-sxm")
+    user = tmp_path / "config" / "zerofunc" / "profiles.json"  # not there yet: --calibrate makes it
+    monkeypatch.setenv("ZEROFUNC_PROFILES", str(tmp_path / "elsewhere.json"))  # --profiles must win
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr("zerofunc.check.calibrate.measure",
+                        lambda device: {"flops": {"bf16": 7.9e14}, "memory_bandwidth": 4.3e12})
+    assert check_main(["--calibrate", "--device", "cpu", "--profiles", str(user)]) == 2  # no GPU: nothing measured
+    assert "measures a CUDA GPU" in capsys.readouterr().err and not user.exists()
+    assert calibrate(torch.device("cuda", 0), None) == 0
+    assert json.loads(capsys.readouterr().out)["file"] == str(user)
+    written = json.loads(user.read_text())
+    assert list(written) == ["h200-sxm"] and written["h200-sxm"]["flops"] == {"bf16": 7.9e14}
+    assert "measured: flops, memory_bandwidth" in written["h200-sxm"]["sources"]
+    after = get_profile("h200-sxm")
+    assert after.flops == {**before.flops, "bf16": 7.9e14} and after.memory_bandwidth == 4.3e12
+    assert after.memory_bytes == before.memory_bytes and after.intra_node == before.intra_node
+    assert hashlib.sha256(shipped.read_bytes()).hexdigest() == digest
 
 
 def _wide_gpt_cells():

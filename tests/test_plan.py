@@ -14,12 +14,14 @@ from tests.worlds import IN_RANK, agreed_max, global_batches, small_cases
 from train.cli import main as train_main
 from zerofunc.comm import DistCommunicator
 from zerofunc.engine import ZeroEngine
+from zerofunc.layout import FlatLayout
 from zerofunc.models import GPTConfig, build_model
 from zerofunc.optim import AdamWConfig
 from zerofunc.plan import Plan, simulate
 from zerofunc.plan.__main__ import main as plan_main
 from zerofunc.stages import STAGES
 from zerofunc.step import train_step
+from zerofunc.units import PRECISIONS, partition
 
 STATES = ("params", "grads", "optimizer")
 
@@ -94,6 +96,49 @@ def test_params_only_plan_matches_the_paper(stage, per_param):
         factor = 3 if stage == 3 else 2
         zero_traffic = sum(e.volume_bytes for e in sim.ledger if e.tag != "metrics")  # not the logged loss
         assert zero_traffic == pytest.approx(factor * 2 * psi, rel=1e-6)
+
+
+def full_gradient_bytes(plan: Plan) -> int:
+    """One whole local gradient of the model, from the layout (each unit padded to split evenly), not
+    from a simulation: what stages 0 and 1 keep."""
+    model = plan.build()
+    units = partition(model, model.shard_units() if hasattr(model, "shard_units") else [])
+    padded = sum(FlatLayout.build([(n, p.shape) for n, p in named], plan.world_size).padded_numel
+                 for _, _, named in units)
+    return padded * PRECISIONS[plan.precision].itemsize
+
+
+@pytest.mark.parametrize("world", [1, 3, 8])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("model", ["gpt2-tiny", "llama-tiny"])
+def test_stage_1_counts_its_whole_gradient_as_grads(model, precision, world):
+    """The paper's table: stage 1 keeps the whole gradient (4Ψ in fp32, 2Ψ in 16-bit), as stage 0 does.
+    It is reduce-scattered into its own slice, so the reduced shard is part of it, not more; what the
+    planner puts under buffers at stage 1 is no more than a shard of it (the collective's output)."""
+    plan = Plan(world_size=world, stage=1, model=model, precision=precision, seq=16)
+    full = full_gradient_bytes(plan)
+    stage1 = simulate(plan, timing=False).memory
+    stage0 = simulate(replace(plan, stage=0), timing=False).memory
+    assert stage1.max_by_category["grads"] == stage0.max_by_category["grads"] == full
+    assert stage1.max_by_category["buffers"] <= full // world
+
+
+def test_plan_reports_stage_1_gradient_as_grads_in_table_and_json(capsys):
+    """gpt2-small: a gradient of 0.23 GiB, large enough for the table's two decimals to tell."""
+    argv = ["--model", "gpt2-small", "--world-size", "4", "--seq", "64", "--levers", "none"]
+    full = full_gradient_bytes(Plan(world_size=4, stage=1, model="gpt2-small", seq=64))
+    code, out, _ = run_plan(capsys, *argv, "--json")
+    assert code == 0
+    memory = {s["stage"]: s["memory_bytes"] for s in json.loads(out)["stages"]}
+    assert memory[0]["grads"] == memory[1]["grads"] == full and memory[2]["grads"] == memory[3]["grads"] == full // 4
+    psi = full // 2  # bf16; padded elements
+    assert memory[1]["model_states"] == 2 * psi + 2 * psi + 12 * psi // 4  # the paper's (2 + 2 + K/N) Ψ
+    code, out, _ = run_plan(capsys, *argv)
+    assert code == 0
+    header = next(line.split() for line in out.splitlines() if line.startswith("stage"))
+    rows = {int(r[0]): r for r in (line.split() for line in out.splitlines()) if r and r[0] in ("0", "1", "2", "3")}
+    at = header.index("grads")
+    assert rows[1][at] == rows[0][at] == f"{full / 2**30:.2f}"
 
 
 def run_plan(capsys, *argv):

@@ -28,7 +28,8 @@ from zerofunc.models import MODELS, build_model, model_config
 from zerofunc.overlap import Overlap
 from zerofunc.recompute import MODES
 from zerofunc.units import partition
-from zerofunc.usage import ArgumentParser, UsageError
+from sim.hardware import use_profiles
+from zerofunc.usage import PROFILES_HELP, ArgumentParser, UsageError
 
 # exit codes: each fault its own, so that a job script can tell them apart
 EXIT_RANK_FAILED = 1   # a rank raised, died, or a collective failed or timed out
@@ -85,7 +86,13 @@ def parse(argv: list[str] | None) -> TrainArgs:
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                    help="how long a collective waits for the other ranks before the run fails (default 300; "
                         "config key comm_timeout)")
+    p.add_argument("--profiles", metavar="FILE", default=None,
+                   help=PROFILES_HELP + "; on CPU, its cpu-gloo rates choose the collectives")
     a = p.parse_args(argv)
+    try:  # the ranks inherit the file through the environment, so they read what the planner reads
+        use_profiles(a.profiles)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
     if not 0 <= a.dropout < 1:
         raise UsageError(f"--dropout must lie in [0, 1), got {a.dropout}")

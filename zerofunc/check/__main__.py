@@ -16,10 +16,11 @@ from pathlib import Path
 
 import torch
 
-from sim.hardware import get_profile, profile_for_device, record_measured
+from sim.hardware import get_profile, profile_for_device, record_measured, use_profiles
 from zerofunc.check.env import as_text, environment
 from zerofunc.models import MODELS
 from zerofunc.plan import Plan
+from zerofunc.usage import PROFILES_HELP
 
 MiB = 2**20
 
@@ -43,7 +44,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--json-out", metavar="FILE", default=None, help="also write the JSON to FILE")
     p.add_argument("--calibrate", action="store_true",
-                   help="CUDA: measure the matmul rates and HBM bandwidth, write them into the hardware profile, exit")
+                   help="CUDA: measure the matmul rates and HBM bandwidth, write them into the device's profile in "
+                        "the user's profiles file (--profiles), exit")
+    p.add_argument("--profiles", metavar="FILE", default=None,
+                   help=PROFILES_HELP + "; --calibrate writes there, creating it")
     return p.parse_args(argv)
 
 
@@ -85,9 +89,17 @@ def calibrate(device: torch.device, hardware: str | None) -> int:
     name = torch.cuda.get_device_name(device)
     profile = get_profile(hardware) if hardware else profile_for_device(name)
     figures = measure(device)
-    path = record_measured(profile.name, figures, f"measured {date.today()} on {name} with torch {torch.__version__} "
-                           "by python -m zerofunc.check --calibrate: median torch.mm of 8192^2 matrices per dtype "
-                           "(fp32 without TF32), a 2 GiB device copy counted as read plus write, total_memory")
+    try:  # into the user's profiles file (sim.hardware.user_path), never into the package
+        path = record_measured(profile.name, figures, f"measured {date.today()} on {name} with torch "
+                               f"{torch.__version__} by python -m zerofunc.check --calibrate: median torch.mm of "
+                               "8192^2 matrices per dtype (fp32 without TF32), a 2 GiB device copy counted as read "
+                               "plus write, total_memory")
+    except OSError as e:
+        print(f"error: cannot write {e.filename}: {e.strerror}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(json.dumps({"profile": profile.name, "file": str(path), **figures}, indent=2))
     return 0
 
@@ -110,6 +122,7 @@ CUDA_COLUMNS = ["tracked peak MiB", "reserved MiB", "planned compute ms", "plann
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     try:
+        use_profiles(a.profiles, must_exist=not a.calibrate)  # a bad file: one line, before any measuring
         device, plans = _setup(a)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,4 +1,5 @@
-"""python -m zerofunc.check --calibrate: the rates a GPU sustains, measured, for its hardware profile.
+"""python -m zerofunc.check --calibrate: the rates a GPU sustains, measured, for its hardware profile
+(written to the user's profiles file, which overrides the shipped profile by name: sim/hardware.py).
 
 Published peaks overstate what a step gets: an H200 is sold at 989 dense bf16 TFLOP/s
 and 4.8 TB/s, and a large bf16 matmul on random data measures nearer 800 TFLOP/s, a

@@ -13,7 +13,7 @@ import os
 import sys
 from dataclasses import replace
 
-from sim.hardware import profiles
+from sim.hardware import profiles, use_profiles
 from zerofunc.config import MAX_BUCKET_MB, MAX_MICRO_BATCH_TOKENS, MAX_PREFETCH_DEPTH
 from zerofunc.models import MODELS
 from zerofunc.overlap import Overlap
@@ -22,7 +22,7 @@ from zerofunc.plan.plot import plot
 from zerofunc.plan.report import (GiB, as_json, as_table, lever_configs, lever_costs, recommend, report_stages,
                                   smallest_fitting, world_size_candidates)
 from zerofunc.recompute import MODES
-from zerofunc.usage import ArgumentParser
+from zerofunc.usage import PROFILES_HELP, ArgumentParser, profiles_flag
 
 MAX_AUTO_MICRO_BATCH = 64  # --levers auto without --micro-batch: the largest power of two that fits, up to this
 # Bounds past which a plan would overflow torch's sizes or run for minutes; far beyond any real cluster
@@ -32,6 +32,7 @@ MAX_MEMORY_GIB = 2**20  # --gpu-memory, --host-memory: a PiB per rank
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
+    use_profiles(profiles_flag(argv))  # before the help lists them
     p = ArgumentParser(prog="python -m zerofunc.plan",
                        description="Simulate each ZeRO stage's per-rank memory and communication.")
     p.add_argument("--model", default="gpt2-small",
@@ -61,6 +62,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's context)")
     p.add_argument("--precision", default="bf16", help="fp32, bf16 or fp16")
     p.add_argument("--hardware", default="h100-sxm", help=f"one of {', '.join(profiles())}")
+    p.add_argument("--profiles", metavar="FILE", default=None, help=PROFILES_HELP)
     p.add_argument("--gpu-memory", type=float, default=None,
                    help="usable memory per rank in GiB (default: the hardware's, less its reserve)")
     p.add_argument("--prefetch-depth", type=int, default=Overlap.prefetch_depth,
@@ -69,7 +71,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="MiB of gradient reductions in flight before waiting (0: none)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="draw each stage's memory timeline")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    use_profiles(a.profiles)  # as the parser read it (an abbreviated --prof, say)
+    return a
 
 
 def main(argv: list[str] | None = None) -> int:
