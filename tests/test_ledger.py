@@ -185,14 +185,15 @@ def test_accumulation_communicates_as_the_stage_says(stage):
 
 def _collectives_both_ways():
     """Every rank's distinct integer-valued shards (exact in any summation order), gathered and
-    reduced by the paper's collectives, by all-reduces standing in for them, and gathered by broadcasts."""
+    reduced by the paper's collectives, by all-reduces standing in for them, and gathered by broadcasts.
+    The gathered shards hold both zeros, -0.0 and +0.0, which a gather must keep bit for bit."""
     import torch.distributed as dist
     rank, n, k = dist.get_rank(), dist.get_world_size(), 5
     results = []
     for link in (None, COLLECTIVE_RULES["all-reduce"], COLLECTIVE_RULES["broadcast"]):
         comm = DistCommunicator(link=link)
         for async_op in (False, True):
-            mine = torch.arange(k, dtype=torch.float32) + 10 * rank
+            mine = signed_zeros(torch.arange(k, dtype=torch.float32) + 10 * rank)
             gathered = torch.full((k * n,), float("nan"))  # no stale value may survive where zeros belong
             full = torch.arange(k * n, dtype=torch.float32) * (rank + 1)
             summed, averaged = torch.full((k,), float("nan")), torch.full((k,), float("nan"))
@@ -205,13 +206,20 @@ def _collectives_both_ways():
     return results, rank, n, k
 
 
+def signed_zeros(shard: torch.Tensor) -> torch.Tensor:
+    """The shard with its last two elements -0.0 and +0.0."""
+    shard[-2:] = torch.tensor([-0.0, 0.0])
+    return shard
+
+
 def test_a_stand_in_does_what_the_collective_it_stands_for_does():
+    """3 gloo ranks: a gather is bit for bit the shards, however issued; sums of integers are exact."""
     for results, rank, n, k in in_world(3, _collectives_both_ways):
-        want_gathered = torch.cat([torch.arange(k, dtype=torch.float32) + 10 * r for r in range(n)])
+        want_gathered = torch.cat([signed_zeros(torch.arange(k, dtype=torch.float32) + 10 * r) for r in range(n)])
         want_summed = torch.arange(k * n, dtype=torch.float32)[rank * k:(rank + 1) * k] * sum(range(1, n + 1))
         for i, (tensors, ops) in enumerate(results):
             gathered, summed, averaged = map(torch.tensor, tensors)
             assert ops == [{"all_gather", "reduce_scatter"}, {"all_reduce"}, {"broadcast", "reduce_scatter"}][i // 2]
-            assert torch.equal(gathered, want_gathered), f"run {i}: {gathered}"
+            assert torch.equal(gathered.view(torch.int32), want_gathered.view(torch.int32)), f"run {i}: {gathered}"
             assert torch.equal(summed, want_summed), f"run {i}: {summed}"
             assert torch.allclose(averaged, want_summed / n), f"run {i}: {averaged}"

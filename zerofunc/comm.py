@@ -99,8 +99,10 @@ class Communicator:
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, tag: str = "", async_op: bool = False) -> Handle:
         """Concatenate every rank's `inp` (one shard) into `out`.
 
-        As an all-reduce: `out` holds `inp` in this rank's slot and zeros elsewhere, and the
-        sum over ranks is then every rank's shard in its slot, exactly (x + 0 is x). As
+        As an all-reduce: `out` holds `inp` in this rank's slot and -0.0 elsewhere, and the
+        sum over ranks is then every rank's shard in its slot, bit for bit, in any summation
+        order: x + (-0.0) is x for every x, +0.0 and -0.0 included, where +0.0 as the filler
+        would turn a shard's -0.0 into +0.0 (-0.0 + 0.0 is +0.0 in round-to-nearest). As
         broadcasts: `out` holds `inp` in this rank's slot, and each rank's slot is broadcast
         from it, all launched at once.
         """
@@ -112,9 +114,9 @@ class Communicator:
             return self._issue("all_gather", out, tag, async_op, out=out, inp=inp)
         slots = out.view(n, -1)
         slots[self.rank].copy_(inp.view(-1))
-        if op == "all_reduce":  # every other slot zero: the sum leaves each rank's shard in its own
-            slots[:self.rank].zero_()
-            slots[self.rank + 1:].zero_()
+        if op == "all_reduce":  # every other slot -0.0: the sum leaves each rank's shard in its own
+            slots[:self.rank].fill_(-0.0)
+            slots[self.rank + 1:].fill_(-0.0)
             return self._issue("all_reduce", out, tag, async_op, out=out, mean=False)
         sends = _All([self._issue("broadcast", slot, tag, async_op, launch_only=True, out=slot, src=r)
                       for r, slot in enumerate(slots)])
@@ -132,7 +134,10 @@ class Communicator:
         in `inp`'s own slot of this rank (ZeRO-1 keeps the whole local gradient anyway).
 
         `inp` is the caller's to give up: as an all-reduce, it is reduced in place, and its
-        shard copied into `out` (if given) once the collective is done. The paper's
+        shard copied into `out` (if given) once the collective is done. That sums the same
+        terms as the reduce-scatter, though not necessarily in the same order: equal to the
+        last bit where the order cannot matter (two ranks; sums exact in fp32), and otherwise
+        within what reordering a sum may change (tests/rounding.py). The paper's
         reduce-scatter into `inp`'s own slot goes through a shard of `buffers`, copied back.
         """
         n = self.world_size
