@@ -19,6 +19,7 @@ from zerofunc.models import GPTConfig, build_model
 from zerofunc.optim import AdamWConfig
 from zerofunc.plan import Plan, simulate
 from zerofunc.plan.__main__ import main as plan_main
+from zerofunc.plan.report import EAGER_NOTE
 from zerofunc.stages import STAGES
 from zerofunc.step import train_step
 from zerofunc.units import PRECISIONS, partition
@@ -261,3 +262,13 @@ def test_world_size_list_plans_every_size(capsys):
 def test_world_size_bad_input(capsys, argv, message):
     code, out, err = run_plan(capsys, "--model", "llama-tiny", *argv)
     assert code == 2 and out == "" and err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("hardware, says_eager", [("h100-sxm", True), ("cpu-gloo", False)])
+def test_plan_says_it_planned_eager_where_the_trainer_compiles(capsys, hardware, says_eager):
+    """The trainer compiles by default on CUDA and a plan simulates the eager step: a GPU's plan says so."""
+    argv = ["--model", "gpt2-tiny", "--world-size", "2", "--stage", "0", "--hardware", hardware]
+    code, out, _ = run_plan(capsys, *argv)
+    assert code == 0 and (EAGER_NOTE in out) == says_eager
+    code, out, _ = run_plan(capsys, *argv, "--json")
+    assert code == 0 and json.loads(out)["compiled"] is False

@@ -165,6 +165,12 @@ def smallest_fitting(plan: Plan, capacity: int, candidates: list[int], host_capa
     return report(candidates[hi])
 
 
+# A plan simulates the eager step: torch.compile cannot run on meta tensors here, and would change the
+# kernels (fusion), hence activations and time. The trainer compiles by default on CUDA only.
+EAGER_NOTE = ("planned eager (torch.compile off); python -m train compiles each block by default on CUDA: "
+              "train with --no-compile to run what was planned")
+
+
 def as_json(plan: Plan, reports: list[StageReport], capacity: int, costs: Optional[list] = None) -> dict:
     best = recommend(reports)
     sizes = sorted({r.sim.plan.world_size for r in reports})
@@ -184,6 +190,7 @@ def as_json(plan: Plan, reports: list[StageReport], capacity: int, costs: Option
         "recommended_world_size": best.sim.plan.world_size if best else None,
         "recommended": best.as_json() if best else None,
         "lever_costs": [{"lever": name, "without_it": r.as_json()} for name, r in costs or []],
+        "compiled": False,  # see EAGER_NOTE
     }
 
 
@@ -254,6 +261,8 @@ def as_table(plan: Plan, reports: list[StageReport], capacity: int, ranks: Optio
                  "micro-batch; comm/step counts an all-reduce of S bytes as 2S and an all-gather or reduce-scatter as S; "
                  "step time = compute (roofline, recomputation included) + what it does not hide: communication (ring "
                  "alpha-beta) and offload's copies beyond compute, the host update; tokens/s for the whole cluster")
+    if plan.profile.device_names:  # a GPU's profile
+        lines.append(EAGER_NOTE)
     return "\n".join(lines)
 
 
