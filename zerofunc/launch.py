@@ -27,7 +27,6 @@ import os
 import queue
 import re
 import signal
-import socket
 import threading
 import time
 import traceback
@@ -136,22 +135,29 @@ def comm_failure_line(rank: int, e: BaseException) -> str:
 
 # ---- the launcher -----------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous(comm_timeout: float) -> dist.TCPStore:
+    """The store the ranks meet at, served by the launcher on a port the OS picks (port 0).
+
+    The launcher holds the port from the moment it is chosen until the world has ended, so
+    no other process can take it in between: picking a free port, closing it and letting
+    rank 0 bind it later (as `init_method="tcp://..."` does) leaves a window of a whole
+    process start-up in which another run, or anything else, can bind it first.
+    """
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=comm_timeout))
 
 
-def _rank_main(rank: int, nproc: int, port: int, backend: str, comm_timeout: float, progress, results,
-               fn, args) -> None:
+def _rank_main(rank: int, nproc: int, store_addr: tuple[str, int], backend: str, comm_timeout: float, progress,
+               results, fn, args) -> None:
     global _progress, _comm_timeout
     _progress, _comm_timeout = progress, comm_timeout
     catch_stop_signals()
     code = 0
     try:
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc))
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=nproc, timeout=datetime.timedelta(seconds=comm_timeout))
+        timeout = datetime.timedelta(seconds=comm_timeout)
+        store = dist.TCPStore(*store_addr, is_master=False, timeout=timeout)  # the launcher's (_rendezvous)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=nproc, timeout=timeout)
         results.put((rank, True, fn(*args), None))
     except BaseException as e:  # report anything, including KeyboardInterrupt, to the parent
         if is_comm_failure(e):
@@ -191,9 +197,10 @@ def spawn(fn: Callable[..., Any], nproc: int, *args, backend: str = "gloo", time
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     progress = ctx.Array("q", nproc, lock=False)
-    port = _free_port()
+    store = _rendezvous(comm_timeout)  # held until the ranks are gone
     procs = [ctx.Process(target=_rank_main, daemon=True,
-                         args=(r, nproc, port, backend, comm_timeout, progress, results, fn, args))
+                         args=(r, nproc, ("127.0.0.1", store.port), backend, comm_timeout, progress, results,
+                               fn, args))
              for r in range(nproc)]
     requests = StopRequests()
 
@@ -241,6 +248,7 @@ def spawn(fn: Callable[..., Any], nproc: int, *args, backend: str = "gloo", time
             p.join(timeout=30 if len(out) == nproc else 1)
             if p.is_alive():
                 p.kill()
+        del store  # stop serving the rendezvous: every rank has ended
         for s, handler in saved.items():
             signal.signal(s, handler)
     return [out[r] for r in range(nproc)]
