@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from hypothesis import HealthCheck, Phase, settings, strategies as st
 
 from sim.cost import Link
+from tests.steps import agreed_max  # noqa: F401 (the property tests' verdicts, agreed over ranks)
 from zerofunc.models import GPTConfig, LlamaConfig, ModelConfig, build_model
 
 # No shrinking: every shrink step re-runs a case on all ranks, which made one failing
@@ -30,13 +30,6 @@ IN_RANK = settings(derandomize=True, database=None, deadline=None, print_blob=Fa
 COLLECTIVE_RULES = {"gloo's rates": "backend", "paper": None,
                     "all-reduce": Link(0.0, 1.0, {"all_reduce": float("inf")}),
                     "broadcast": Link(0.0, 1.0, {"broadcast": float("inf")})}
-
-
-def agreed_max(x: float) -> float:
-    """The largest `x` over all ranks, the same on every rank."""
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 @dataclass(frozen=True)
