@@ -1,4 +1,5 @@
-"""Training like one device, step by step, for any nn.Module whose forward returns its loss.
+"""Training like one device, step by step, for any nn.Module whose forward returns its loss (a
+tensor, or a Hugging Face output with `.loss`).
 
 An engine's optimizer steps are recorded with the whole state before each (weights, AdamW's
 moments), the reduced gradient it took and the weights after it. Each step is then held
@@ -27,6 +28,7 @@ import torch.nn as nn
 
 from tests.rounding import adamw_exact_and_budget, clip_factor, clip_factor_error, reduction_budget
 from zerofunc.optim import AdamWConfig
+from zerofunc.step import loss_of
 
 
 @dataclass
@@ -39,7 +41,7 @@ class Step:
     v: dict[str, torch.Tensor]
     grads: dict[str, torch.Tensor]    # reduced, before clipping
     after: dict[str, torch.Tensor]
-    everyone: list[tuple]             # every rank's micro-batches of the step, N x grad_accum of them
+    everyone: list                    # every rank's micro-batches of the step, N x grad_accum of them
     grad_accum: int
     optim: AdamWConfig
     lr: float                         # the step's learning rate (a schedule's, if the engine has one)
@@ -47,12 +49,17 @@ class Step:
     norm_terms: int                   # how many squares the engine's gradient norm sums
 
 
-def record_step(engine, mine: list[tuple], everyone: list[tuple]) -> Step:
-    """One optimizer step of `engine` over this rank's micro-batches `mine` (positional arguments of
-    the model), recorded; `everyone` is the step's micro-batches of all ranks."""
+def loss(model, batch) -> torch.Tensor:
+    """The model's loss on a micro-batch: its positional arguments (a tuple) or keyword ones (a dict)."""
+    return loss_of(model(**batch) if isinstance(batch, dict) else model(*batch))
+
+
+def record_step(engine, mine: list, everyone: list) -> Step:
+    """One optimizer step of `engine` over this rank's micro-batches `mine`, recorded; `everyone` is
+    the step's micro-batches of all ranks."""
     params, (m, v) = engine.full_parameters(), engine.full_moments()
     for i, batch in enumerate(mine):
-        engine.backward(engine(*batch))
+        engine.backward(loss(engine, batch))
         if i + 1 < len(mine):  # as DeepSpeed's users call it: step() after every micro-step, a no-op before the last
             assert not engine.step(), "the engine stepped before the accumulation boundary"
     grads = engine.full_gradients()
@@ -83,8 +90,8 @@ def one_device_gradients(reference: nn.Module, step: Step):
     scale = 1.0 / step.grad_accum
     for batch in step.everyone:
         reference.zero_grad(set_to_none=True)
-        loss = reference(*batch)
-        (loss * scale if scale != 1.0 else loss).backward()
+        value = loss(reference, batch)
+        (value * scale if scale != 1.0 else value).backward()
         for n, p in reference.named_parameters():
             mean[n] += p.grad.double() / world
             abs_mean[n] += p.grad.double().abs() / world
