@@ -138,3 +138,119 @@ def test_consolidate_command_line_errors(tmp_path):
                            str(tmp_path / "x.safetensors")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.startswith("error: no checkpoint at") and "Traceback" not in proc.stderr
     assert not (tmp_path / "x.safetensors").exists()
+
+
+# ---- the library's own load path (zerofunc.checkpoint.load), no CLI in front of it -------------------
+
+def api_checkpoint_world(run_dir: str) -> dict:
+    """On each rank of a 2-rank world: save through the API with nonzero counters and loss scale,
+    load into a fresh engine, load a manifest from before `nonfinite_steps` was saved, and load a
+    checkpoint whose rank-00001 file has one flipped byte. What each step left, as plain values."""
+    import types
+
+    import torch.distributed as dist
+
+    import zerofunc
+    from train.loop import _stop_nonfinite
+    from zerofunc import checkpoint
+    from zerofunc.models import build_model
+
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "fp16": {"enabled": True}}
+
+    def engine(init):
+        with torch.device("meta"):
+            model = build_model(model_config("gpt2-tiny"))
+        return zerofunc.initialize(model, config, device="cpu", init=init)
+
+    rank = dist.get_rank()
+    saved = engine(None)  # the model's own init_param
+    opt = saved.optimizer
+    opt.step_count, opt.skipped_steps, opt.nonfinite_steps = 7, 3, 2
+    opt.loss_scaler.scale, opt.loss_scaler.overflows, opt.loss_scaler.clean_steps = 1024.0, 1, 5
+    checkpoint.save(saved, run_dir, 7)
+
+    loaded = engine(lambda name, shape: torch.zeros(shape))  # differs from every saved weight
+    checkpoint.load(loaded, run_dir)
+    out = {"counters": [loaded.optimizer.step_count, loaded.optimizer.skipped_steps, loaded.optimizer.nonfinite_steps],
+           "scaler": loaded.optimizer.loss_scaler.state_dict(),
+           "masters_equal": all(torch.equal(a.master, b.master) for a, b in zip(saved.units, loaded.units))}
+
+    # A checkpoint written before nonfinite_steps was saved: no field, and 0 on load.
+    manifest_path = checkpoint.step_dir(run_dir, 7) / "manifest.json"
+    if rank == 0:
+        manifest = json.loads(manifest_path.read_text())
+        manifest.pop("nonfinite_steps", None)
+        manifest_path.write_text(json.dumps(manifest))
+    dist.barrier()
+    loaded.optimizer.nonfinite_steps = 9
+    try:
+        checkpoint.load(loaded, run_dir)
+        out["old_manifest_nonfinite"] = loaded.optimizer.nonfinite_steps
+    except Exception as e:  # as a value, so that the other tests still run
+        out["old_manifest_nonfinite"] = repr(e)
+
+    # The trainer's stop at a non-finite step 9 saves the weights of step 8, which must not count step 9
+    # as skipped: the resume runs it again.
+    opt.nonfinite_steps = 3  # 2 before, and step 9's
+    _stop_nonfinite(saved, types.SimpleNamespace(out=run_dir, model="gpt2-tiny", seed=0), 9, float("nan"), None)
+    out["stop_saved_nonfinite"] = json.loads((checkpoint.step_dir(run_dir, 8) / "manifest.json").read_text()).get(
+        "nonfinite_steps")
+
+    # One flipped byte in rank 1's file. Rank 0 never reads that file (same world and stage), yet
+    # both ranks must raise the same error, and neither engine may have taken any of it.
+    if rank == 0:
+        flip_a_byte(Path(run_dir))
+    dist.barrier()
+    for u in loaded.units:
+        u.master.fill_(0.5)  # not the checkpoint's values: a load that copied anything would show
+    try:
+        checkpoint.load(loaded, run_dir)
+        out["error"] = None
+    except checkpoint.CheckpointError as e:
+        out["error"] = str(e)
+    out["untouched"] = all(bool((u.master == 0.5).all()) for u in loaded.units)
+    return out
+
+
+@pytest.fixture(scope="module")
+def api_world(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """One 2-rank world for the tests below (starting one costs ~1.5 s): the run directory and each
+    rank's results."""
+    from tests.bare import in_world
+    run = tmp_path_factory.mktemp("api") / "run"
+    return run, in_world(2, api_checkpoint_world, str(run))
+
+
+def test_api_load_refuses_a_flipped_byte_on_every_rank(api_world):
+    _, results = api_world
+    for rank, out in enumerate(results):
+        assert out["error"] and "rank-00001.safetensors does not match the checksum" in out["error"], \
+            f"rank {rank} loaded a changed file without an error"
+        assert "\n" not in out["error"]
+        assert out["untouched"], f"rank {rank} copied from the checkpoint before its checksums were checked"
+    assert results[0]["error"] == results[1]["error"]  # rank 0, which does not read the file, says the same
+
+
+def test_consolidated_refuses_a_flipped_byte(api_world):
+    from zerofunc.checkpoint import CheckpointError, consolidated
+    run, _ = api_world
+    with pytest.raises(CheckpointError, match=r"rank-00001\.safetensors does not match the checksum"):
+        consolidated(run)
+
+
+def test_api_load_restores_the_skip_counters_and_the_loss_scale(api_world):
+    _, results = api_world
+    for out in results:
+        assert out["masters_equal"]
+        assert out["counters"] == [7, 3, 2]  # optimizer steps, fp16 overflows, non-finite steps
+        assert (out["scaler"]["scale"], out["scaler"]["overflows"], out["scaler"]["clean_steps"]) == (1024.0, 1, 5)
+
+
+def test_a_checkpoint_from_before_nonfinite_steps_loads_with_none(api_world):
+    _, results = api_world
+    assert [out["old_manifest_nonfinite"] for out in results] == [0, 0]
+
+
+def test_stopping_at_a_nonfinite_step_saves_the_count_before_it(api_world):
+    _, results = api_world
+    assert [out["stop_saved_nonfinite"] for out in results] == [2, 2]

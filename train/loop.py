@@ -150,6 +150,9 @@ def _stop_nonfinite(engine, args: TrainArgs, step: int, loss: float, saved) -> t
     """The step was skipped, so the weights are still those of the step before it: save them, and
     say so in the run's last line."""
     why = f"step {step}: the loss is {loss} and the gradients are not finite"
+    # A resume runs step `step` again, so the checkpoint of the step before must not count it as
+    # skipped yet (one saved there by --save-every does not): the count then resumes exactly.
+    engine.optimizer.nonfinite_steps -= 1
     return _final_save(engine, args, step - 1, saved, why, f"stopped with the weights of step {step - 1}",
                        "nonfinite", " (--on-nonfinite skip skips such steps)")
 

@@ -8,9 +8,10 @@ Layout under a run directory:
 
 A save writes into a temporary directory, renames it into place, and only then
 replaces `latest` (both renames are atomic), so a run killed mid-save still resumes
-from the previous checkpoint. The manifest holds each shard file's SHA-256, and
-`verify` (before a resume) and `consolidated` check them: a flipped byte in a file is an
-error that names it, never silently different weights.
+from the previous checkpoint. The manifest holds each shard file's SHA-256, and every
+reader checks it, whole file, before it reads a tensor from that file: `load` (each rank
+the files it reads), `consolidated` and `verify`. A flipped byte in a file is a
+`CheckpointError` that names it, never silently different weights.
 
 Resharding works because a unit's parameters sit in the same order at every world
 size and stage; only the padding and the shard boundaries move. A loading rank reads,
@@ -52,10 +53,13 @@ def _owned_span(engine: ZeroEngine, unit) -> tuple[int, int]:
 
 
 def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            digest.update(block)
+    """The file's SHA-256, read through one reused 1 MiB buffer: a fresh 16 MiB bytes object per
+    block (f.read) made hashing a 747 MB shard ~1.6x slower (measured on 2 CPU cores)."""
+    digest, buf = hashlib.sha256(), bytearray(1 << 20)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            digest.update(view[:n])
     return digest.hexdigest()
 
 
@@ -111,7 +115,7 @@ def save(engine: ZeroEngine, run_dir: str | Path, step: int, extra: Optional[dic
             "units": [{"name": u.name, "numel": u.layout.numel, "padded_numel": u.layout.padded_numel,
                        "params": [[s.name, list(s.shape)] for s in u.layout.slots]} for u in engine.units],
             "loss_scaler": opt.loss_scaler.state_dict() if opt.loss_scaler else None,
-            "skipped_steps": opt.skipped_steps, "extra": extra or {},
+            "skipped_steps": opt.skipped_steps, "nonfinite_steps": opt.nonfinite_steps, "extra": extra or {},
         }
 
         def publish():
@@ -140,7 +144,9 @@ def _attempt(action):
 
 
 def _agree(world: int, mine):
-    """Every rank's `mine`, on every rank: each part of a save ends in this one collective."""
+    """Every rank's `mine`, on every rank: each part of a save or a load ends in this one collective."""
+    if world == 1:
+        return [mine]
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
     return everyone
@@ -186,13 +192,28 @@ def read_manifest(ckpt: Path) -> dict:
     return manifest
 
 
-def _check_files(ckpt: Path, manifest: dict) -> None:
-    """Every shard file against the checksum the save recorded (checkpoints from before checksums
-    have none to check)."""
-    for f, expected in manifest.get("sha256", {}).items():
-        if _sha256(ckpt / f) != expected:
-            raise CheckpointError(f"checkpoint {ckpt}: {f} does not match the checksum saved with it "
-                                  f"(the file changed after the save)")
+def _check_file(ckpt: Path, manifest: dict, f: str) -> None:
+    """Shard file `f` against the checksum the save recorded, before anything reads a tensor from it.
+
+    The whole file is hashed even where the reader then takes a slice of it: the checksum is
+    of the file. That pass brings the file into the page cache, so the slices read after it
+    cost a copy from memory, not a second read from disk. Checkpoints from before checksums
+    (no "sha256" in the manifest) have none to check.
+    """
+    if "sha256" not in manifest:
+        return
+    expected = manifest["sha256"].get(f)
+    if expected is None:
+        raise CheckpointError(f"checkpoint {ckpt}: the manifest records no checksum for {f}")
+    if _sha256(ckpt / f) != expected:
+        raise CheckpointError(f"checkpoint {ckpt}: {f} does not match the checksum saved with it "
+                              f"(the file changed after the save)")
+
+
+def _check_files(ckpt: Path, manifest: dict, files: Optional[list[str]] = None) -> None:
+    """`files` (by default every shard file of the checkpoint) against their checksums, in order."""
+    for f in manifest["files"] if files is None else files:
+        _check_file(ckpt, manifest, f)
 
 
 def verify(path: str | Path, units: list[list]) -> dict:
@@ -230,30 +251,40 @@ def _saved_spans(manifest: dict, unit_index: int) -> list[tuple[str, int, int]]:
 
 
 def load(engine: ZeroEngine, path: str | Path) -> dict:
-    """Load a checkpoint saved at any world size or stage into `engine`; returns the manifest."""
+    """Load a checkpoint saved at any world size or stage into `engine`; returns the manifest.
+
+    Collective over all ranks. Each rank checks the SHA-256 of every shard file it reads, whole,
+    before it reads from it, and the ranks agree on the outcome: a file that fails its checksum
+    on one rank makes every rank raise the same `CheckpointError` naming it, before any rank has
+    changed its engine (no rank goes on alone, to wait in a collective the others never reach).
+    """
     ckpt = resolve(path)
     manifest = read_manifest(ckpt)
     _check_model(ckpt, manifest, [[[s.name, list(s.shape)] for s in u.layout.slots] for u in engine.units])
-    try:
-        handles = {f: safe_open(str(ckpt / f), framework="pt") for f in manifest["files"]}
-        for i, unit in enumerate(engine.units):
-            start, stop = _owned_span(engine, unit)
+    world = engine.comm.world_size
+    reads = []  # per unit: (unit, where its span starts here, [(file, file's start, a, b)] to copy [a, b) from)
+    for i, unit in enumerate(engine.units):
+        start, stop = _owned_span(engine, unit)
+        pieces = [(f, lo, max(lo, start), min(hi, stop, unit.layout.numel)) for f, lo, hi in _saved_spans(manifest, i)]
+        reads.append((unit, start, [p for p in pieces if p[2] < p[3]]))
+    files = sorted({f for _, _, pieces in reads for f, *_ in pieces})
+
+    def copy():
+        handles = {f: safe_open(str(ckpt / f), framework="pt") for f in files}
+        for i, (unit, start, pieces) in enumerate(reads):
             for kind in ("master", "m", "v"):
                 target = getattr(unit, kind)
                 with torch.no_grad():
                     target.zero_()  # padding stays zero
-                    for f, lo, hi in _saved_spans(manifest, i):
-                        a, b = max(lo, start), min(hi, stop, unit.layout.numel)
-                        if a < b:
-                            piece = handles[f].get_slice(f"{i}.{kind}")[a - lo:b - lo]
-                            target[a - start:b - start].copy_(piece)
-    except CheckpointError:
-        raise
-    except Exception as e:  # a truncated or corrupt shard file
-        raise CheckpointError(f"checkpoint {ckpt} is corrupt: {type(e).__name__}: {e}") from None
+                    for f, lo, a, b in pieces:
+                        target[a - start:b - start].copy_(handles[f].get_slice(f"{i}.{kind}")[a - lo:b - lo])
+
+    _load_step(ckpt, world, lambda: _check_files(ckpt, manifest, files))
+    _load_step(ckpt, world, copy)  # a truncated file of a checkpoint from before checksums fails here
     opt = engine.optimizer
     opt.step_count = manifest["optimizer_steps"]
     opt.skipped_steps = manifest.get("skipped_steps", 0)
+    opt.nonfinite_steps = manifest.get("nonfinite_steps", 0)  # absent from checkpoints before it was saved
     if opt.loss_scaler is not None and manifest.get("loss_scaler"):
         for key, value in manifest["loss_scaler"].items():
             setattr(opt.loss_scaler, key, value)
@@ -261,15 +292,32 @@ def load(engine: ZeroEngine, path: str | Path) -> dict:
     return manifest
 
 
+def _load_step(ckpt: Path, world: int, action) -> None:
+    """Run one part of a load on every rank; if it failed on any rank, raise the first rank's error on all."""
+    try:
+        action()
+        failure = None
+    except CheckpointError as e:
+        failure = str(e)
+    except Exception as e:  # a truncated or corrupt shard file
+        failure = f"checkpoint {ckpt} is corrupt: {type(e).__name__}: {e}"
+    failures = [f for f in _agree(world, failure) if f]
+    if failures:
+        raise CheckpointError(failures[0])
+
+
 def consolidated(path: str | Path) -> dict[str, torch.Tensor]:
     """Every parameter, whole, in fp32, from a checkpoint's masters (no process group needed)."""
     ckpt = resolve(path)
     manifest = read_manifest(ckpt)
-    _check_files(ckpt, manifest)
-    handles = {f: safe_open(str(ckpt / f), framework="pt") for f in manifest["files"]}
+    _check_files(ckpt, manifest)  # every file, before any tensor is read
     out = {}
-    for i, unit in enumerate(manifest["units"]):
-        flat = torch.cat([handles[f].get_tensor(f"{i}.master") for f, _, _ in _saved_spans(manifest, i)])
-        layout = FlatLayout.build(unit["params"], manifest["world_size"])  # the padding it was saved with
-        out.update({name: view.clone() for name, view in layout.views(flat).items()})
+    try:
+        handles = {f: safe_open(str(ckpt / f), framework="pt") for f in manifest["files"]}
+        for i, unit in enumerate(manifest["units"]):
+            flat = torch.cat([handles[f].get_tensor(f"{i}.master") for f, _, _ in _saved_spans(manifest, i)])
+            layout = FlatLayout.build(unit["params"], manifest["world_size"])  # the padding it was saved with
+            out.update({name: view.clone() for name, view in layout.views(flat).items()})
+    except Exception as e:  # a truncated file of a checkpoint from before checksums
+        raise CheckpointError(f"checkpoint {ckpt} is corrupt: {type(e).__name__}: {e}") from None
     return out
