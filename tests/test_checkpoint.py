@@ -153,6 +153,7 @@ def api_checkpoint_world(run_dir: str) -> dict:
     import zerofunc
     from train.loop import _stop_nonfinite
     from zerofunc import checkpoint
+    from zerofunc.checkpoint_files import CheckpointError, step_dir
     from zerofunc.models import build_model
 
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "fp16": {"enabled": True}}
@@ -176,7 +177,7 @@ def api_checkpoint_world(run_dir: str) -> dict:
            "masters_equal": all(torch.equal(a.master, b.master) for a, b in zip(saved.units, loaded.units))}
 
     # A checkpoint written before nonfinite_steps was saved: no field, and 0 on load.
-    manifest_path = checkpoint.step_dir(run_dir, 7) / "manifest.json"
+    manifest_path = step_dir(run_dir, 7) / "manifest.json"
     if rank == 0:
         manifest = json.loads(manifest_path.read_text())
         manifest.pop("nonfinite_steps", None)
@@ -193,7 +194,7 @@ def api_checkpoint_world(run_dir: str) -> dict:
     # as skipped: the resume runs it again.
     opt.nonfinite_steps = 3  # 2 before, and step 9's
     _stop_nonfinite(saved, types.SimpleNamespace(out=run_dir, model="gpt2-tiny", seed=0), 9, float("nan"), None)
-    out["stop_saved_nonfinite"] = json.loads((checkpoint.step_dir(run_dir, 8) / "manifest.json").read_text()).get(
+    out["stop_saved_nonfinite"] = json.loads((step_dir(run_dir, 8) / "manifest.json").read_text()).get(
         "nonfinite_steps")
 
     # One flipped byte in rank 1's file. Rank 0 never reads that file (same world and stage), yet
@@ -206,7 +207,7 @@ def api_checkpoint_world(run_dir: str) -> dict:
     try:
         checkpoint.load(loaded, run_dir)
         out["error"] = None
-    except checkpoint.CheckpointError as e:
+    except CheckpointError as e:
         out["error"] = str(e)
     out["untouched"] = all(bool((u.master == 0.5).all()) for u in loaded.units)
     return out
@@ -232,7 +233,7 @@ def test_api_load_refuses_a_flipped_byte_on_every_rank(api_world):
 
 
 def test_consolidated_refuses_a_flipped_byte(api_world):
-    from zerofunc.checkpoint import CheckpointError, consolidated
+    from zerofunc.checkpoint_files import CheckpointError, consolidated
     run, _ = api_world
     with pytest.raises(CheckpointError, match=r"rank-00001\.safetensors does not match the checksum"):
         consolidated(run)

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from train.cli import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_RANK_FAILED, EXIT_SAVE_FAILED, main
-from zerofunc.checkpoint import consolidated
+from zerofunc.checkpoint_files import consolidated
 
 QUICK = ["--seq", "32", "--micro-batch", "2", "--device", "cpu", "--nproc", "1", "--steps", "1"]
 

@@ -22,8 +22,7 @@ from zerofunc.config import (MAX_BUCKET_MB, MAX_COMM_TIMEOUT_S, MAX_MICRO_BATCH_
                              read as read_config)
 from zerofunc.launch import (RankError, comm_failure_line, default_backend, init_torchrun, is_comm_failure, spawn,
                              under_torchrun)
-from zerofunc import checkpoint
-from zerofunc.checkpoint import CheckpointError
+from zerofunc.checkpoint_files import CheckpointError, verify
 from zerofunc.models import MODELS, build_model, model_config
 from zerofunc.overlap import Overlap
 from zerofunc.recompute import MODES
@@ -158,7 +157,7 @@ def parse(argv: list[str] | None) -> TrainArgs:
         with torch.device("meta"):
             model = build_model(model_cfg)
         units = [[[n, list(p.shape)] for n, p in named] for _, _, named in partition(model, model.shard_units())]
-        checkpoint.verify(a.out, units)
+        verify(a.out, units)
     return TrainArgs(a.model, config, a.nproc, a.steps, a.seq, a.dropout, a.seed, a.data, a.out, device,
                      a.save_every, a.resume, a.plot, device == "cuda" if a.compile is None else a.compile,
                      a.on_nonfinite, a.on_save_error, config.comm_timeout)

@@ -19,6 +19,7 @@ from train.preempt import StopAgreement
 from train.report import Progress, plot_loss, summary
 from zerofunc import checkpoint
 from zerofunc.checkpoint import SaveError
+from zerofunc.checkpoint_files import step_dir
 from zerofunc.comm import DistCommunicator
 from zerofunc.config import Config
 from zerofunc.launch import mark_step
@@ -173,11 +174,11 @@ def _final_save(engine, args: TrainArgs, last: int, saved, why: str, what: str, 
             _save(engine, args, last)
         except SaveError as e:
             return "save_failed", f"{why}; {what}, but {e}; {_newest(args, saved)}"
-    return kind, f"{why}; {what}, its checkpoint is {checkpoint.step_dir(args.out, last)}{advice}"
+    return kind, f"{why}; {what}, its checkpoint is {step_dir(args.out, last)}{advice}"
 
 
 def _newest(args: TrainArgs, saved) -> str:
-    return (f"the newest checkpoint is {checkpoint.step_dir(args.out, saved)}" if saved
+    return (f"the newest checkpoint is {step_dir(args.out, saved)}" if saved
             else "there is no checkpoint of this run")
 
 

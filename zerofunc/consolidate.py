@@ -12,7 +12,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from zerofunc.checkpoint import CheckpointError, consolidated
+from zerofunc.checkpoint_files import CheckpointError, consolidated
 
 
 def main(argv: list[str] | None = None) -> int:
