@@ -2,10 +2,10 @@
 the volume actually sent where they do not, and the simulated step's ledger, entry by entry.
 
 What is counted: Ψ is the number of parameters; each unit's flat buffer is padded to
-a multiple of the world size, so the buffers hold Ψp = Σ padded(unit) >= Ψ elements,
-fewer than N more per unit, and the collectives move Ψp. Volumes count as the paper
-does: an all-reduce of S bytes is 2S (reduce-scatter + all-gather), an all-gather or
-reduce-scatter of S bytes is S. Per rank, a ring sends (N-1)/N of that.
+N shards of a multiple of 16 elements each (zerofunc.layout.ALIGN), so the buffers hold
+Ψp = Σ padded(unit) >= Ψ elements, fewer than 16N more per unit, and the collectives
+move Ψp. Volumes count as the paper does: an all-reduce of S bytes is 2S (reduce-scatter
++ all-gather), an all-gather or reduce-scatter of S bytes is S. Per rank, a ring sends (N-1)/N of that.
   stage 0:   all-reduce Ψp of gradients                          = 2Ψp
   stage 1-2: reduce-scatter Ψp of gradients + all-gather Ψp of
              updated parameters                                  = 2Ψp
@@ -35,6 +35,7 @@ from sim.hardware import get_profile
 from sim.ledger import VOLUME_FACTOR
 from zerofunc.comm import DistCommunicator, RecordingCommunicator
 from zerofunc.engine import ZeroEngine
+from zerofunc.layout import ALIGN
 from zerofunc.models import GPT, build_model
 from zerofunc.optim import AdamWConfig
 from zerofunc.stages import STAGES
@@ -85,7 +86,8 @@ def check_ledgers(max_examples):
             engine = one_step(case, stage, comm, "cpu")
             padded = [u.layout.padded_numel for u in engine.units]
             psi, psi_p = engine.numel, sum(padded)
-            assert 0 <= psi_p - psi < n * len(padded)
+            assert 0 <= psi_p - psi < n * ALIGN * len(padded)
+            assert all(p % (n * ALIGN) == 0 for p in padded)
 
             # besides the paper's volumes, one scalar all-reduce of the squared gradient norm over the
             # shards (which skips a non-finite step); stage 0's gradients are whole on every rank

@@ -144,8 +144,10 @@ def consolidated(path: str | Path) -> dict[str, torch.Tensor]:
         handles = {f: safe_open(str(ckpt / f), framework="pt") for f in manifest["files"]}
         for i, unit in enumerate(manifest["units"]):
             flat = torch.cat([handles[f].get_tensor(f"{i}.master") for f, _, _ in saved_spans(manifest, i)])
-            layout = FlatLayout.build(unit["params"], manifest["world_size"])  # the padding it was saved with
-            out.update({name: view.clone() for name, view in layout.views(flat).items()})
+            # the parameters sit at the same offsets whatever padding follows them (checkpoints from before
+            # shards were padded to 16 elements have less)
+            layout = FlatLayout.build(unit["params"], manifest["world_size"])
+            out.update({s.name: flat[s.offset:s.offset + s.numel].view(s.shape).clone() for s in layout.slots})
     except Exception as e:  # a truncated file of a checkpoint from before checksums
         raise CheckpointError(f"checkpoint {ckpt} is corrupt: {type(e).__name__}: {e}") from None
     return out

@@ -12,9 +12,14 @@ the reference, except that AdamW on CPU and on meta tensors (the planner simulat
 step with them, so their memory is what is predicted) runs torch's fused CPU kernel;
 `ZEROFUNC_TRITON=0` forces the reference, and `ZEROFUNC_TRITON=1` with
 `TRITON_INTERPRET=1` runs the kernels on CPU through Triton's interpreter (tests).
+
+The kernels are defined wherever triton imports, so they also compile for sm_80 and
+sm_90 on a machine without a GPU (tests/aot.py, docs/CUDA.md); but triton is imported
+only where a kernel may run (CUDA, the interpreter) or when one is first asked for.
 """
 from __future__ import annotations
 
+import importlib
 import math
 import os
 from typing import Optional
@@ -23,18 +28,42 @@ import torch
 
 from zerofunc.optim import AdamWConfig, adamw_
 
-triton = None
-# Only where a kernel can run: importing triton costs each rank ~80 MB of resident memory.
-if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:  # the library works without triton; only the fused path needs it
-        triton = None
-
 BLOCK = 1024  # elements per program; one fixed size: @triton.autotune fails in the interpreter
-# Triton (3.9) reads TRITON_INTERPRET when @triton.jit decorates: whether the kernels below run interpreted.
-INTERPRETED = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
+
+# triton, tl, INTERPRETED and the kernels are module globals that `_load` sets on first need.
+_loaded: Optional[bool] = None  # None: not tried yet; then whether triton imported
+
+
+def _load() -> bool:
+    """Import triton and define the kernels (at the end of this file), once; whether they are defined.
+
+    Wherever triton imports, the kernels are defined: compiled for the GPU, interpreted
+    under TRITON_INTERPRET=1 (Triton 3.9 reads it when @triton.jit decorates), or
+    compiled ahead of time for a GPU on a machine without one (tests/aot.py). But only
+    on first need, because importing triton costs each rank 70-80 MB of resident memory:
+    a CPU rank that never runs a kernel never pays it.
+    """
+    global _loaded, triton, tl, INTERPRETED
+    if _loaded is None:
+        try:
+            triton = importlib.import_module("triton")
+            tl = importlib.import_module("triton.language")
+        except ImportError:  # the library works without triton; only the fused path needs it
+            triton = tl = None
+        INTERPRETED = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
+        if triton is not None:
+            _define_kernels()
+        _loaded = triton is not None
+    return _loaded
+
+
+def __getattr__(name: str):
+    """`fused.triton`, `fused.INTERPRETED`, `fused._adamw_kernel`...: loaded when first asked for."""
+    if name in ("triton", "tl", "INTERPRETED", "_adamw_kernel", "_unscale_kernel") and _loaded is None:
+        _load()
+        if name in globals():
+            return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def use_triton(tensor: torch.Tensor) -> bool:
@@ -43,13 +72,18 @@ def use_triton(tensor: torch.Tensor) -> bool:
     CUDA takes the kernel unless `ZEROFUNC_TRITON=0`. CPU takes it only when asked
     (`ZEROFUNC_TRITON=1`) and the kernels were defined interpreted. Meta never does:
     the planner needs the reference's allocations, and a kernel cannot launch on meta.
+    Asked about a CPU tensor, this imports triton only where the answer can be yes.
     """
     flag = os.environ.get("ZEROFUNC_TRITON", "")
-    if triton is None or flag == "0":
+    if flag == "0":
         return False
     if tensor.device.type == "cuda":
-        return True
-    return tensor.device.type == "cpu" and flag == "1" and INTERPRETED
+        return _load()
+    if tensor.device.type != "cpu" or flag != "1":
+        return False
+    if _loaded is None and os.environ.get("TRITON_INTERPRET") != "1":
+        return False  # defined now, the kernels would compile for a GPU, not run here
+    return _load() and INTERPRETED
 
 
 # ---- AdamW -------------------------------------------------------------------------------
@@ -82,6 +116,7 @@ def adamw_triton_(param: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: t
     """
     if step < 1:
         raise ValueError(f"step counts from 1, got {step}")
+    _require()
     n = param.numel()
     _check_flat(n, param, grad, m, v, out)
     if any(t.dtype != torch.float32 for t in (param, m, v)):
@@ -164,6 +199,7 @@ def unscale_triton(grad: torch.Tensor, inv_scale: float,
     add blocks in a different order every run, and the clip coefficient, hence the
     whole update, would not be reproducible bit for bit.
     """
+    _require()
     n = grad.numel()
     _check_flat(n, grad, out)
     if out is not None and out.dtype != torch.float32:
@@ -181,13 +217,21 @@ def unscale_(grad, inv_scale, out=None) -> tuple[torch.Tensor, torch.Tensor]:
     return (unscale_triton if use_triton(grad) else unscale_reference)(grad, inv_scale, out)
 
 
+def _require() -> None:
+    if not _load():
+        raise RuntimeError("the fused kernels need triton: pip install triton")
+
+
 def _check_flat(n: int, *tensors: Optional[torch.Tensor]) -> None:
     for t in tensors:
         if t is not None and (t.numel() != n or not t.is_contiguous()):
             raise ValueError(f"expected contiguous tensors of {n} elements, got {tuple(t.shape)}")
 
 
-if triton is not None:
+def _define_kernels() -> None:
+    """The kernels, defined by `_load` once triton is imported. Their `tl` is this module's global."""
+    global _adamw_kernel, _unscale_kernel
+
     @triton.jit
     def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, n, grad_scale, decay, w, beta2, one_minus_beta2,
                       neg_step_size, bc2_sqrt, eps,
@@ -232,3 +276,7 @@ if triton is not None:
         bad = tl.where(tl.abs(x) <= 3.4028234663852886e38, 0.0, 1.0)
         tl.store(partials_ptr + pid, tl.sum(x * x, axis=0))
         tl.store(partials_ptr + blocks + pid, tl.max(bad, axis=0))
+
+
+if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+    _load()  # the kernels will run here: define them now, as Triton decides interpreted-or-not at decoration

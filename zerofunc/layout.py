@@ -1,7 +1,8 @@
 """Flat layout: a unit's parameters packed into one buffer that splits into equal shards.
 
 The buffer is padded so that it divides into `world_size` contiguous shards of equal
-length. Balancing is by element, not by tensor: a parameter may straddle two ranks.
+length, each a multiple of ALIGN elements. Balancing is by element, not by tensor: a
+parameter may straddle two ranks.
 Every collective then moves one contiguous buffer per unit, and a rank's optimizer
 state is simply the slice of that buffer it owns.
 """
@@ -12,6 +13,14 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
+
+# Every shard is a multiple of 16 elements (at most 15 of padding per rank). The fused kernels'
+# 128-bit loads (ld.global.v4) need 16-byte alignment of every block they read, and Triton gives
+# a kernel that hint only for an element count divisible by 16 and pointers 16-byte aligned:
+# a rank's shard of the whole buffer starts at rank * shard_numel elements, so 16 fp32 elements
+# (64 B) keep every shard aligned in every dtype. Without it, a shard of, say, 66091 elements
+# compiles to scalar loads (docs/CUDA.md, "Compiled ahead of time on a CPU machine").
+ALIGN = 16
 
 
 @dataclass(frozen=True)
@@ -50,7 +59,8 @@ class FlatLayout:
 
     @property
     def shard_numel(self) -> int:
-        return -(-self.numel // self.world_size) if self.numel else 0
+        """Elements per rank: ceil(numel / world_size), rounded up to a multiple of ALIGN."""
+        return -(-self.numel // (self.world_size * ALIGN)) * ALIGN
 
     @property
     def padded_numel(self) -> int:
