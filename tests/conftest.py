@@ -37,10 +37,39 @@ collect_ignore = [] if HYPOTHESIS else [n for n in sorted(os.listdir(_HERE))
                                         if n.startswith("test_") and n.endswith(".py") and _needs_hypothesis(n)]
 
 
+# Hypothesis profiles: `--hypothesis-profile NAME` (hypothesis' own pytest option) or ZEROFUNC_HYPOTHESIS_PROFILE=NAME
+# (the option wins). Without either, hypothesis' own profile is active ("default", or "ci" where a CI
+# variable is set), and each world of the equivalence test draws 6 cases. A profile's max_examples is what
+# each such world draws (tests/worlds.py: examples_in_world, read here and passed to the ranks as an
+# argument: they do not load this file); the other property tests name their own counts.
+# - fast: 2 cases per world (both model families), for a quick look at a property that starts worlds;
+# - full: 40 cases per world, the long run (it was ZEROFUNC_EXAMPLES=40).
+# Both inherit the rest from the profile active here (derandomized under "ci").
+PROFILES = {"fast": 2, "full": 40}
+if HYPOTHESIS:
+    from hypothesis import settings
+
+    for _name, _examples in PROFILES.items():
+        settings.register_profile(_name, max_examples=_examples)
+    if os.environ.get("ZEROFUNC_HYPOTHESIS_PROFILE"):
+        settings.load_profile(os.environ["ZEROFUNC_HYPOTHESIS_PROFILE"])
+
+
 def pytest_report_header(config):
     if not HYPOTHESIS:
         return f"hypothesis is not installed: {len(collect_ignore)} modules not collected ({', '.join(collect_ignore)})"
     return None
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> str:
+    """A --data file of 8 KiB, the built-in corpus's first bytes, for launches that do not test the corpus:
+    the built-in corpus is 16 MiB of standard-library sources, read in the launcher and again in every rank
+    (about 0.6 s each here)."""
+    from train.data import stdlib_corpus
+    path = tmp_path_factory.mktemp("data") / "tiny.txt"
+    path.write_bytes(stdlib_corpus(cap=8 << 10))
+    return str(path)
 
 
 @pytest.fixture(scope="module")

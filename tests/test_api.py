@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import zerofunc
 from tests.bare import in_world
 from tests.steps import check_steps, record_step
+from zerofunc.stages import STAGES
 
 
 class ResidualMLP(nn.Module):
@@ -54,11 +55,23 @@ def four_lines(stage: int, accum: int):
     return units, released, same_start
 
 
+def every_stage(accum: int) -> list:
+    return [four_lines(stage, accum) for stage in STAGES]
+
+
+@pytest.fixture(scope="module")
+def four_lines_world() -> list[list]:
+    """One 2-gloo-rank world trains every stage (a world per stage cost its start-up each): per rank, per stage,
+    four_lines' results."""
+    return in_world(2, every_stage, 2)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_initialize_trains_any_module_like_one_device(stage):
+def test_initialize_trains_any_module_like_one_device(four_lines_world, stage):
     """2 gloo ranks, 2 micro-steps per step, DeepSpeed's calls: the module's own weights are released and
     are where training starts, and each of 3 steps is one device's within fp32 rounding (tests/steps.py)."""
-    for units, released, same_start in in_world(2, four_lines, stage, 2):
+    for units, released, same_start in (per_stage[stage] for per_stage in four_lines_world):
         assert units == ["", "blocks.0", "blocks.1", "blocks.2"]
         assert released  # the module's own weights are gone; the engine's shards hold them
         assert same_start

@@ -46,6 +46,7 @@ def assert_plan_holds(cells: list[dict], tolerance: float) -> None:
         assert all(math.isfinite(x) for x in c["losses"]), f"{where}: losses {c['losses']}"
 
 
+@pytest.mark.slow
 def test_gpt2_tiny_at_1_8_64_ranks_is_planned_to_the_byte_and_within_2_percent(tmp_path):
     saved = tmp_path / "check.json"
     code, out, err = run_check("--model", "gpt2-tiny", "--world-sizes", "1,8,64", "--json", "--json-out", str(saved))
@@ -61,6 +62,7 @@ def test_gpt2_tiny_at_1_8_64_ranks_is_planned_to_the_byte_and_within_2_percent(t
     assert stage3[64] < stage3[8] < stage3[1]
 
 
+@pytest.mark.slow
 def test_fp16_is_planned_with_its_loss_scaler():
     """fp16 unscales and all-reduces [sum of squares, found_inf] at the boundary; the plan must too."""
     code, out, err = run_check("--world-sizes", "8", "--stage", "1", "--stage", "3", "--precision", "fp16", "--json")
@@ -107,6 +109,7 @@ def _wide_gpt_cells():
                      torch.device("cpu")).as_json() for s in range(4)]
 
 
+@pytest.mark.slow
 def test_a_wider_gpt_at_64_ranks():
     assert_plan_holds(in_fresh_process(_wide_gpt_cells), 0.02)
 
@@ -169,6 +172,7 @@ def test_failures_name_what_disagrees():
     assert cell.failures(0.05) == ["the collectives differ (same bytes)", "non-finite loss [1.0, nan]"]
 
 
+@pytest.mark.slow
 def test_a_failing_cell_exits_1_and_is_named():
     """With no tolerance, the residual few kilobytes (the loss ops' CPU kernels against their meta ones) fail."""
     code, out, err = run_check("--world-sizes", "2", "--stage", "1", "--tolerance", "0")

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.bare import in_world
 from train.cli import main
 from zerofunc.consolidate import main as consolidate
 from zerofunc.models import GPT, model_config
@@ -22,38 +23,83 @@ def losses(out: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("stage", [0, 2, 3])  # stage 1: every resume in tests/test_faults.py
-def test_resume_is_bit_exact(tmp_path, stage):
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    flags = SMALL + ["--stage", str(stage)]
-    if stage == 2:
-        flags += ["--precision", "fp16"]  # the loss scaler's state is resumed too
-    assert main(flags + ["--steps", "4", "--out", str(straight)]) == 0
-    assert main(flags + ["--steps", "2", "--save-every", "2", "--out", str(resumed)]) == 0
-    assert main(flags + ["--steps", "4", "--resume", "--out", str(resumed)]) == 0
+# Stage 1's resumes: every resume in tests/test_faults.py. Stage 2 in fp16: the loss scaler's state is resumed too.
+RESUMED = {0: [], 2: ["--precision", "fp16"], 3: []}
+
+
+def train_runs(argvs: list[list[str]]) -> list[dict]:
+    """On each rank of one world: python -m train's rank function for each argv in turn, its flags parsed as
+    the launcher parses them (--resume's checks of the checkpoint included)."""
+    import torch.distributed as dist
+
+    from train.cli import parse
+    from train.loop import train_rank
+    results = []
+    for argv in argvs:
+        results.append(train_rank(parse(argv)))
+        dist.barrier()  # the run's files are complete before the next run reads them
+    return results
+
+
+def module_world(argvs: list[list[str]], api_run: str) -> tuple[list[dict], dict]:
+    return train_runs(argvs), api_checkpoint_world(api_run)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiny_data) -> tuple[Path, list[dict]]:
+    """One 2-rank world for every test below that needs a checkpoint of 2 ranks (a launch per run cost a
+    world's start-up and three reads of the built-in corpus): under the directory it returns,
+    - stage{S}/straight: 4 steps; stage{S}/resumed: 2 steps saved, then resumed to 4 (S in RESUMED);
+    - one-step-stage{2,3}: 1 step, saved;
+    - api/run: api_checkpoint_world's, whose per-rank results it returns too."""
+    root = tmp_path_factory.mktemp("trained")
+    common = SMALL + ["--nproc", "2", "--data", tiny_data]
+    argvs = []
+    for stage, extra in RESUMED.items():
+        flags, run = common + ["--stage", str(stage), *extra], root / f"stage{stage}"
+        argvs += [flags + ["--steps", "4", "--out", str(run / "straight")],
+                  flags + ["--steps", "2", "--save-every", "2", "--out", str(run / "resumed")],
+                  flags + ["--steps", "4", "--resume", "--out", str(run / "resumed")]]
+    for stage in (2, 3):
+        argvs.append(common + ["--stage", str(stage), "--steps", "1", "--save-every", "1",
+                               "--out", str(root / f"one-step-stage{stage}")])
+    (root / "api").mkdir()
+    per_rank = in_world(2, module_world, argvs, str(root / "api" / "run"))
+    for argv, result in zip(argvs, per_rank[0][0]):  # what main(argv) == 0 asserted of a launch (it reads rank 0's)
+        assert "stopped" not in result, (argv, result["stopped"])
+    return root, [api for _, api in per_rank]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", list(RESUMED))
+def test_resume_is_bit_exact(trained, stage):
+    root, _ = trained
+    straight, resumed = root / f"stage{stage}" / "straight", root / f"stage{stage}" / "resumed"
     assert losses(resumed) == losses(straight)  # exactly, and the metrics file continues
 
 
-def test_resume_at_another_world_size_and_stage(tmp_path):
+@pytest.mark.slow
+def test_resume_at_another_world_size_and_stage(tmp_path, tiny_data):
     """Saved by stage 3 on 2 ranks; resumed by stage 1 on 1 rank and stage 2 on 3 ranks, same global batch."""
+    data = ["--data", tiny_data]
     straight = tmp_path / "straight"
-    assert main(SMALL[:2] + ["--micro-batch", "6", "--nproc", "1", "--stage", "0", "--steps", "4",
-                             "--out", str(straight), "--device", "cpu"]) == 0
+    assert main(SMALL[:2] + data + ["--micro-batch", "6", "--nproc", "1", "--stage", "0", "--steps", "4",
+                                    "--out", str(straight), "--device", "cpu"]) == 0
     saved = tmp_path / "saved"
-    assert main(SMALL[:2] + ["--micro-batch", "3", "--nproc", "2", "--stage", "3", "--steps", "2",
-                             "--save-every", "2", "--out", str(saved), "--device", "cpu"]) == 0
+    assert main(SMALL[:2] + data + ["--micro-batch", "3", "--nproc", "2", "--stage", "3", "--steps", "2",
+                                    "--save-every", "2", "--out", str(saved), "--device", "cpu"]) == 0
     for name, nproc, mb, stage in [("one", 1, 6, 1), ("three", 3, 2, 2)]:
         run = tmp_path / name
         shutil.copytree(saved, run)
-        assert main(SMALL[:2] + ["--micro-batch", str(mb), "--nproc", str(nproc), "--stage", str(stage),
-                                 "--steps", "4", "--resume", "--out", str(run), "--device", "cpu"]) == 0
+        assert main(SMALL[:2] + data + ["--micro-batch", str(mb), "--nproc", str(nproc), "--stage", str(stage),
+                                        "--steps", "4", "--resume", "--out", str(run), "--device", "cpu"]) == 0
         worst = max(abs(a - b) / b for a, b in zip(losses(run), losses(straight)))
         assert len(losses(run)) == 4 and worst <= 1e-5, f"{name}: {worst:.2e}"
 
 
-def test_consolidate_round_trips(tmp_path):
-    run = tmp_path / "run"
-    assert main(SMALL + ["--stage", "3", "--steps", "2", "--save-every", "2", "--out", str(run)]) == 0
+@pytest.mark.slow
+def test_consolidate_round_trips(trained, tmp_path):
+    run = trained[0] / "stage3" / "resumed"  # SMALL at stage 3, 2 steps, saved at 2 (the resume saves none)
     out = tmp_path / "model.safetensors"
     assert consolidate([str(run), str(out)]) == 0
     weights = load_file(str(out))
@@ -71,13 +117,14 @@ def test_consolidate_round_trips(tmp_path):
     assert not torch.equal(weights[name], model.init_param(name, tuple(shape), 0))
 
 
-def test_a_killed_save_leaves_the_previous_checkpoint(tmp_path):
+@pytest.mark.slow
+def test_a_killed_save_leaves_the_previous_checkpoint(tmp_path, tiny_data):
     run = tmp_path / "run"
-    assert main(SMALL + ["--steps", "2", "--save-every", "2", "--out", str(run)]) == 0
+    assert main(SMALL + ["--steps", "2", "--save-every", "2", "--out", str(run), "--data", tiny_data]) == 0
     partial = run / "checkpoints" / ".step-00000004.partial"  # what a save killed midway leaves
     partial.mkdir()
     (partial / "rank-00000.safetensors").write_bytes(b"\x00" * 100)
-    assert main(SMALL + ["--steps", "3", "--resume", "--out", str(run)]) == 0
+    assert main(SMALL + ["--steps", "3", "--resume", "--out", str(run), "--data", tiny_data]) == 0
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
 
 
@@ -98,14 +145,15 @@ def flip_a_byte(run: Path) -> None:
 
 @pytest.mark.parametrize("damage, message", [
     (None, "no checkpoint at"),
-    (corrupt, "is corrupt"),
-    (flip_a_byte, "rank-00001.safetensors does not match the checksum"),
-    (lambda run: (run / "checkpoints" / "latest").write_text("step-00000099"), "not a complete checkpoint"),
+    pytest.param(corrupt, "is corrupt", marks=pytest.mark.slow),
+    pytest.param(flip_a_byte, "rank-00001.safetensors does not match the checksum", marks=pytest.mark.slow),
+    pytest.param(lambda run: (run / "checkpoints" / "latest").write_text("step-00000099"), "not a complete checkpoint",
+                 marks=pytest.mark.slow),
 ])
-def test_bad_resume_is_one_line(tmp_path, capsys, damage, message):
+def test_bad_resume_is_one_line(request, tmp_path, capsys, damage, message):
     run = tmp_path / "run"
     if damage is not None:
-        assert main(SMALL + ["--stage", "2", "--steps", "1", "--save-every", "1", "--out", str(run)]) == 0
+        shutil.copytree(request.getfixturevalue("trained")[0] / "one-step-stage2", run)  # SMALL, stage 2, 1 step
         damage(run)
         capsys.readouterr()
     assert main(SMALL + ["--steps", "3", "--resume", "--out", str(run)]) == 2
@@ -113,18 +161,20 @@ def test_bad_resume_is_one_line(tmp_path, capsys, damage, message):
     assert err.startswith("error: ") and message in err and "\n" not in err
 
 
-def test_resume_with_another_model_is_refused(tmp_path, capsys):
+@pytest.mark.slow
+def test_resume_with_another_model_is_refused(trained, tmp_path, capsys):
     run = tmp_path / "run"
-    assert main(SMALL + ["--steps", "1", "--save-every", "1", "--out", str(run)]) == 0
+    shutil.copytree(trained[0] / "one-step-stage3", run)  # SMALL, stage 3, 1 step
     capsys.readouterr()
     assert main(["--model", "gpt2-small", "--seq", "32", "--micro-batch", "1", "--steps", "2", "--resume",
                  "--out", str(run)]) == 2
     assert "holds a different model" in capsys.readouterr().err
 
 
-def test_consolidate_refuses_a_changed_file(tmp_path, capsys):
+@pytest.mark.slow
+def test_consolidate_refuses_a_changed_file(trained, tmp_path, capsys):
     run, out = tmp_path / "run", tmp_path / "model.safetensors"
-    assert main(SMALL + ["--stage", "2", "--steps", "1", "--save-every", "1", "--out", str(run)]) == 0
+    shutil.copytree(trained[0] / "one-step-stage2", run)  # SMALL, stage 2, 1 step
     flip_a_byte(run)
     capsys.readouterr()
     assert consolidate([str(run), str(out)]) == 2
@@ -214,14 +264,13 @@ def api_checkpoint_world(run_dir: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def api_world(tmp_path_factory) -> tuple[Path, list[dict]]:
-    """One 2-rank world for the tests below (starting one costs ~1.5 s): the run directory and each
-    rank's results."""
-    from tests.bare import in_world
-    run = tmp_path_factory.mktemp("api") / "run"
-    return run, in_world(2, api_checkpoint_world, str(run))
+def api_world(trained) -> tuple[Path, list[dict]]:
+    """api_checkpoint_world, run in the module's world (`trained`): the run directory and each rank's results."""
+    root, results = trained
+    return root / "api" / "run", results
 
 
+@pytest.mark.slow
 def test_api_load_refuses_a_flipped_byte_on_every_rank(api_world):
     _, results = api_world
     for rank, out in enumerate(results):
@@ -232,6 +281,7 @@ def test_api_load_refuses_a_flipped_byte_on_every_rank(api_world):
     assert results[0]["error"] == results[1]["error"]  # rank 0, which does not read the file, says the same
 
 
+@pytest.mark.slow
 def test_consolidated_refuses_a_flipped_byte(api_world):
     from zerofunc.checkpoint_files import CheckpointError, consolidated
     run, _ = api_world
@@ -239,6 +289,7 @@ def test_consolidated_refuses_a_flipped_byte(api_world):
         consolidated(run)
 
 
+@pytest.mark.slow
 def test_api_load_restores_the_skip_counters_and_the_loss_scale(api_world):
     _, results = api_world
     for out in results:
@@ -247,11 +298,13 @@ def test_api_load_restores_the_skip_counters_and_the_loss_scale(api_world):
         assert (out["scaler"]["scale"], out["scaler"]["overflows"], out["scaler"]["clean_steps"]) == (1024.0, 1, 5)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_from_before_nonfinite_steps_loads_with_none(api_world):
     _, results = api_world
     assert [out["old_manifest_nonfinite"] for out in results] == [0, 0]
 
 
+@pytest.mark.slow
 def test_stopping_at_a_nonfinite_step_saves_the_count_before_it(api_world):
     _, results = api_world
     assert [out["stop_saved_nonfinite"] for out in results] == [2, 2]

@@ -5,6 +5,7 @@ it emits Triton.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.bare import OPTIM, in_world  # lr and eps chosen there so Adam does not amplify rounding
@@ -50,6 +51,17 @@ def compare_stages(device: str = "cpu", precision: str = "fp32"):
     return out, counters["stats"]["unique_graphs"]
 
 
+def test_the_trainer_compiles_on_cpu_only_when_asked(tmp_path):
+    """On CPU a first compile costs more than a short run saves (inductor emits C++): python -m train
+    compiles with --compile only (on CUDA by default: tests/test_cuda.py)."""
+    from train.cli import parse
+    argv = ["--device", "cpu", "--out", str(tmp_path / "run")]
+    assert parse(argv).compile is False
+    assert parse(argv + ["--compile"]).compile is True
+    assert parse(argv + ["--no-compile"]).compile is False
+
+
+@pytest.mark.slow
 def test_compiled_blocks_train_like_eager():
     for per_stage, graphs in in_world(2, compare_stages):
         for stage, (loss_err, param_err) in per_stage.items():

@@ -73,13 +73,28 @@ def misuse(stage: int) -> dict:
     return found
 
 
+def both_stages() -> dict:
+    return {stage: misuse(stage) for stage in (0, 3)}
+
+
+@pytest.fixture(scope="module")
+def misuse_world() -> list[dict]:
+    """One 2-gloo-rank world for both stages: per rank, {stage: what misuse found}."""
+    return in_world(2, both_stages)
+
+
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("stage", [0, 3])
-def test_misuse_fails_loudly_and_a_failed_forward_leaves_no_trace(stage):
-    """2 gloo ranks. loss.backward() instead of engine.backward(loss) is an error at once (it used to
-    train nothing, silently: step() returned False forever); so is step() with no backward since the
-    last one. A forward that raises in the second block leaves no block bound and (stage 3) nothing
+def test_misuse_fails_loudly_and_a_failed_forward_leaves_no_trace(request, ranks, stage):
+    """2 gloo ranks, and one. loss.backward() instead of engine.backward(loss) is an error at
+    once (it used to train nothing, silently: step() returned False forever); so is step() with no backward
+    since the last one. A forward that raises in the second block leaves no block bound and (stage 3) nothing
     gathered, and the steps after it equal those of an engine that never failed, bit for bit."""
-    for found in in_world(2, misuse, stage):
+    if ranks == 1:
+        results = in_world(1, misuse, stage)
+    else:
+        results = [per_rank[stage] for per_rank in request.getfixturevalue("misuse_world")]
+    for found in results:
         assert found["loss.backward"] == ("backward ran outside the engine: call engine.backward(loss), "
                                           "not loss.backward()")
         assert found["step first"] == found["step twice"] == \

@@ -229,9 +229,11 @@ def train_cases(cases):
     return [train_rank(args) for args in cases]
 
 
-def test_accepted_fuzz_cases_train_one_step(fuzz_dir, monkeypatch, tmp_path):
+@pytest.mark.slow
+def test_accepted_fuzz_cases_train_one_step(fuzz_dir, monkeypatch, tmp_path, tiny_data):
     """Accepted cases of the fuzz (cheapened: one step of gpt2-tiny on 16 tokens, two ranks, no
-    compile, no resume) train: no rank fails, the step's loss is finite."""
+    compile, no resume, tiny_data where a case names no --data) train: no rank fails, the step's loss is
+    finite."""
     from tests.bare import in_world
     accepted = fuzz_train(fuzz_dir, monkeypatch)  # run already by the test above, unless run alone
     candidates = []
@@ -248,7 +250,8 @@ def test_accepted_fuzz_cases_train_one_step(fuzz_dir, monkeypatch, tmp_path):
         except (train.cli.UsageError, train.cli.ConfigError):
             continue  # a batch size that needs another rank count
         if args.config.micro_batch * args.config.grad_accum <= 8:
-            candidates.append(replace(args, plot=None))  # matplotlib in a rank costs seconds
+            # matplotlib in a rank costs seconds; the built-in corpus, a read per case on each rank
+            candidates.append(replace(args, plot=None, data=args.data or tiny_data))
 
     def features(args) -> set:
         cfg = args.config

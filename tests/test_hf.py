@@ -47,11 +47,28 @@ def hf_four_lines(stage: int, family: str):
 
 
 def stages_0_and_3(family: str):
-    return [hf_four_lines(stage, family) for stage in (0, 3)]  # one world (and one transformers import) for both
+    return [hf_four_lines(stage, family) for stage in (0, 3)]
 
 
+def both_families() -> dict:
+    return {family: stages_0_and_3(family) for family in ("gpt2", "llama")}
+
+
+@pytest.fixture(scope="module")
+def hf_world() -> list[dict]:
+    """One 2-gloo-rank world (and one transformers import) for both families: per rank, {family: per stage
+    the units}."""
+    return in_world(2, both_families)
+
+
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("family, blocks", [("gpt2", "transformer.h"), ("llama", "model.layers")])
-def test_hugging_face_models_train_like_one_device(family, blocks):
-    for rank_results in in_world(2, stages_0_and_3, family):
+def test_hugging_face_models_train_like_one_device(request, family, blocks, ranks):
+    """On 2 gloo ranks, and on one."""
+    if ranks == 1:
+        results = in_world(1, stages_0_and_3, family)
+    else:
+        results = [per_rank[family] for per_rank in request.getfixturevalue("hf_world")]
+    for rank_results in results:
         for stage, units in zip((0, 3), rank_results):  # each step one device's within fp32 rounding
             assert units == ["", f"{blocks}.0", f"{blocks}.1"], f"stage {stage}"

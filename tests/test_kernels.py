@@ -242,6 +242,7 @@ def steps_on_both_paths() -> list:
 
 
 @pytest.mark.skipif(not fused.INTERPRETED, reason="ranks train on CPU; with a GPU the kernels compile for CUDA")
+@pytest.mark.slow
 def test_the_optimizer_steps_alike_on_the_kernels_and_on_the_reference():
     """The wiring: 16-bit weights (stages 0, 3) or the all-gathered send buffer (stages 1, 2)
     come out of the kernel; fp16 overflow is found by the unscale kernel on any rank."""

@@ -158,6 +158,7 @@ def test_measured_times_are_read_between_points_and_scaled_past_them():
     assert link.time("all_gather", 150.0, 1) == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_one_step_moves_the_paper_volumes(world_size):
     assert all(in_world(world_size, check_ledgers, 3))
@@ -214,6 +215,7 @@ def signed_zeros(shard: torch.Tensor) -> torch.Tensor:
     return shard
 
 
+@pytest.mark.slow
 def test_a_stand_in_does_what_the_collective_it_stands_for_does():
     """3 gloo ranks: a gather is bit for bit the shards, however issued; sums of integers are exact."""
     for results, rank, n, k in in_world(3, _collectives_both_ways):

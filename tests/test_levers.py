@@ -83,6 +83,7 @@ def check_levers_planned_as_trained() -> int:
     return checked
 
 
+@pytest.mark.slow
 def test_each_lever_is_planned_as_it_trains():
     """2 gloo ranks, a GPT and a Llama of odd sizes, every stage with each lever on: the same
     collectives to the byte, the device peak within 5%, the host peak to the byte; checkpointing

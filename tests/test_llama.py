@@ -124,7 +124,8 @@ def engine_logits(run_dir: str, x: torch.Tensor) -> torch.Tensor:
         return engine(x).numpy()  # by value: a tensor would travel as shared memory of a rank that has exited
 
 
-def test_a_trained_llama_consolidates_into_hugging_face_strictly(tmp_path):
+@pytest.mark.slow
+def test_a_trained_llama_consolidates_into_hugging_face_strictly(tmp_path, tiny_data):
     """python -m train --model llama-tiny at stage 3 on 2 ranks, then python -m zerofunc.consolidate:
     Hugging Face's LlamaForCausalLM loads the file with strict=True and gives the trainer's logits."""
     transformers = pytest.importorskip("transformers")
@@ -134,7 +135,8 @@ def test_a_trained_llama_consolidates_into_hugging_face_strictly(tmp_path):
 
     run, out = tmp_path / "run", tmp_path / "llama.safetensors"
     assert train_main(["--model", "llama-tiny", "--stage", "3", "--nproc", "2", "--steps", "3", "--micro-batch", "2",
-                       "--seq", "32", "--save-every", "3", "--out", str(run), "--device", "cpu"]) == 0
+                       "--seq", "32", "--save-every", "3", "--out", str(run), "--device", "cpu",
+                       "--data", tiny_data]) == 0
     losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 3 and losses[-1] < losses[0]
     assert consolidate([str(run), str(out)]) == 0

@@ -55,6 +55,7 @@ def every_stage(model_name: str):
     return [planned_and_trained(model_name, stage) for stage in range(4)]  # one world for all four
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_name", ["llama-tiny", "hf"])
 def test_planned_step_is_the_trained_step(model_name):
     if model_name == "hf":

@@ -24,17 +24,19 @@ has the measurements behind each item):
   world size in its own thread, out of the tracker's sight (a dispatch mode is per thread):
   the same 8 + 4 B, in each of the group's worker threads.
 
-So 0 <= allocator peak - tracker peak <= rows*4 + rows*vocab*4 + 12 * (1 + gloo threads).
+So 0 <= allocator peak - tracker peak <= rows*4 + rows*vocab*4 + 12 * (1 + gloo threads), and at
+the step's end 0 <= allocator - tracker <= 12 * gloo threads: a worker may not yet have freed its
+divisor when the window closes (seen: 4 B, in about 1 of 7 long suite runs).
 The lower end is exact: everything the tracker counts is memory the allocator has (a
 tracked tensor is allocated before the op that made it returns and freed when its storage
 dies, which the tracker hears at once; gloo's reduce-scatter staging, counted from launch
-to wait, is copied inside the launching call and freed no earlier than the wait). The
-step's end must agree to the byte.
+to wait, is copied inside the launching call and freed no earlier than the wait).
 """
 from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -85,11 +87,11 @@ def witnessed_stages(warm_up: bool = True) -> list[dict]:
                 model = build_model(CFG)
             tracker = MemoryTracker()
             engine = ZeroEngine(model, STAGES[stage], comm, AdamWConfig(), memory=tracker,
-                                init=lambda name, shape: model.init_param(name, shape, 0))
+                                init=lambda name, shape, m=model: m.init_param(name, shape, 0))
             if warm_up:  # the measured step starts from a step's leftovers, and the batch is tracked
                 with tracker:
                     train_step(engine, batch)
-            witness.measure(f"stage {stage}", lambda: train_step(engine, batch), tracker)
+            witness.measure(f"stage {stage}", lambda e=engine: train_step(e, batch), tracker)
             rows.append({"stage": stage})
             del engine, model, tracker
             gc.collect()  # the next stage's window must not see this engine freed
@@ -110,11 +112,31 @@ def check_stages() -> list[dict]:
             f"{what}: {op} holds {workspace:,} B of workspace, more than the bound allows for"
         assert 0 <= r["allocator"] - r["tracker"] <= limit, \
             f"{what}: they differ by {r['allocator'] - r['tracker']:,} B, outside [0, {limit:,}]"
-        assert r["allocator_end"] == r["tracker_end"], \
+        assert 0 <= r["allocator_end"] - r["tracker_end"] <= SCALAR * gloo_threads(), \
             f"{what}: at the end, {r['allocator_end']:,} B live above the start against {r['tracker_end']:,} B"
     return rows
 
 
+def test_the_witness_and_the_tracker_agree_where_neither_is_blind():
+    """In this process, no group, no engine: a step whose every allocation is an op's output and that uses no
+    Python number, so no blind spot of the docstring applies. Both see t and t + t live at once (2 x 1 KiB)
+    and the sum's 4 B at the peak, and t + t (1 KiB) kept at the end."""
+    kept = []
+
+    def step():
+        t = torch.ones(256)
+        u = t + t
+        u.sum(0, keepdim=True)
+        kept.append(u)
+
+    tracker = MemoryTracker()
+    with AllocatorWitness() as witness:
+        witness.measure("step", step, tracker)
+    m = witness.steps["step"]
+    assert (m.allocator_peak, m.allocator_end) == (m.tracker_peak, m.tracker_end) == (2 * 1024 + 4, 1024)
+
+
+@pytest.mark.slow
 def test_tracker_peak_agrees_with_the_cpu_allocator():
     """Stages 0-3 on 2 gloo ranks: the tracker's peak is the allocator's, less at most the named
     blind spots of the module docstring, and never more."""

@@ -58,8 +58,20 @@ def overflow_on_one_rank(stage: int) -> list:
     return outcome
 
 
+def every_stage() -> list[list]:
+    return [overflow_on_one_rank(stage) for stage in STAGES]
+
+
+@pytest.fixture(scope="module")
+def overflow_world() -> list[list]:
+    """One 2-gloo-rank world runs every stage (a world per stage cost its start-up each): per rank, per stage,
+    overflow_on_one_rank's outcome."""
+    return in_world(2, every_stage)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_overflow_on_any_rank_skips_the_step_everywhere(stage):
-    for outcome in in_world(2, overflow_on_one_rank, stage):
+def test_overflow_on_any_rank_skips_the_step_everywhere(overflow_world, stage):
+    for outcome in (per_stage[stage] for per_stage in overflow_world):
         assert [o[:3] for o in outcome] == [(True, True, True), (False, False, True), (True, True, True)]
         assert [o[3] for o in outcome] == [2.0**10, 2.0**9, 2.0**9]

@@ -66,6 +66,7 @@ def check_simulation_matches_execution(max_examples):
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_simulated_step_is_the_executed_step(world_size):
     assert all(in_world(world_size, check_simulation_matches_execution, 3))
@@ -206,11 +207,13 @@ def test_plan_bad_input(capsys, tmp_path, argv, message):
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_trainer_reports_what_the_planner_predicts(capsys, tmp_path, stage):
+def test_trainer_reports_what_the_planner_predicts(capsys, tmp_path, stage, tiny_data):
     out = tmp_path / "run"
     assert train_main(["--model", "gpt2-tiny", "--stage", str(stage), "--nproc", "2", "--steps", "2",
-                       "--micro-batch", "2", "--seq", "32", "--out", str(out), "--device", "cpu"]) == 0
+                       "--micro-batch", "2", "--seq", "32", "--out", str(out), "--device", "cpu",
+                       "--data", tiny_data]) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     code, doc, _ = run_plan(capsys, "--model", "gpt2-tiny", "--world-size", "2", "--stage", str(stage),
                             "--micro-batch", "2", "--seq", "32", "--precision", "fp32", "--hardware", "cpu-gloo",

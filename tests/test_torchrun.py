@@ -9,7 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from train.cli import main
+import pytest
+
+from train.cli import main, parse
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAGS = ["--seq", "32", "--device", "cpu", "--stage", "3", "--steps", "4", "--save-every", "2"]
@@ -40,10 +42,21 @@ def losses(out: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_two_nodes_train_like_one_process(tmp_path):
+def test_under_torchrun_the_world_is_torchrun_s(monkeypatch, tmp_path):
+    """In torchrun's environment --nproc is ignored (so is this machine's bound on ranks per core), and the
+    global batch is the micro-batch times torchrun's WORLD_SIZE."""
+    for key, value in {"RANK": "1", "WORLD_SIZE": "64", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(key, value)
+    args = parse(FLAGS + ["--micro-batch", "2", "--nproc", "1000", "--out", str(tmp_path / "run")])
+    assert args.config.train_batch_size == 2 * 64
+
+
+@pytest.mark.slow
+def test_two_nodes_train_like_one_process(tmp_path, tiny_data):
     one, two = tmp_path / "one", tmp_path / "two"
-    assert main(FLAGS + ["--nproc", "1", "--micro-batch", "4", "--out", str(one)]) == 0
-    nodes = two_nodes(FLAGS + ["--micro-batch", "2", "--out", str(two)], "zerofunc-test")
+    data = ["--data", tiny_data]
+    assert main(FLAGS + data + ["--nproc", "1", "--micro-batch", "4", "--out", str(one)]) == 0
+    nodes = two_nodes(FLAGS + data + ["--micro-batch", "2", "--out", str(two)], "zerofunc-test")
     assert [n.returncode for n in nodes] == [0, 0], [n.stderr[-2000:] for n in nodes]
     assert not any("Traceback" in n.stderr for n in nodes)
     assert (two / "checkpoints" / "latest").read_text() == "step-00000004"  # each node wrote its shard

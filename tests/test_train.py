@@ -18,14 +18,15 @@ def losses(out: Path) -> list[float]:
     return [r["loss"] for r in rows]
 
 
-def test_every_stage_and_rank_count_gives_the_same_losses(tmp_path):
+@pytest.mark.slow
+def test_every_stage_and_rank_count_gives_the_same_losses(tmp_path, tiny_data):
     """The issue's acceptance run: stages 0-3 on 2 ranks and stage 0 on 1 rank with twice the micro-batch."""
     runs = {f"stage{s}": ["--stage", str(s), "--nproc", "2"] for s in range(4)}
     runs["one-rank"] = ["--stage", "0", "--nproc", "1", "--micro-batch", str(2 * DEFAULTS["micro_batch"])]
     curves = {}
     for name, flags in runs.items():
         assert main(flags + ["--steps", "10", "--seq", "64", "--seed", "0", "--out", str(tmp_path / name),
-                             "--device", "cpu"]) == 0
+                             "--device", "cpu", "--data", tiny_data]) == 0
         curves[name] = losses(tmp_path / name)
     assert_same_curves(curves, "one-rank", steps=10)
 
@@ -38,9 +39,10 @@ def assert_same_curves(curves: dict[str, list[float]], reference_name: str, step
         assert worst <= 1e-4, f"{name} differs from {reference_name} by {worst:.2e}"
 
 
-def test_dropout_keeps_rank_counts_equivalent(tmp_path):
+@pytest.mark.slow
+def test_dropout_keeps_rank_counts_equivalent(tmp_path, tiny_data):
     """With dropout on, 2 ranks at stage 3 still match 1 rank: masks follow the sample, not the rank."""
-    common = ["--dropout", "0.1", "--steps", "5", "--seq", "32", "--device", "cpu"]
+    common = ["--dropout", "0.1", "--steps", "5", "--seq", "32", "--device", "cpu", "--data", tiny_data]
     runs = {"one-rank": ["--nproc", "1", "--micro-batch", "4"], "two-ranks": ["--nproc", "2", "--micro-batch", "2"]}
     curves = {}
     for name, flags in runs.items():
@@ -87,22 +89,26 @@ def test_command_line_exit_code_and_no_traceback(tmp_path):
     assert proc.stderr.strip() == "error: --nproc must be at least 1, got -1"
 
 
-def test_accumulation_matches_the_big_batch(tmp_path):
+@pytest.mark.slow
+def test_accumulation_matches_the_big_batch(tmp_path, tiny_data):
     """2 ranks x 2 micro-steps x 4 sequences = 1 rank x 1 micro-step x 16 sequences, step for step."""
     runs = {"one-rank": ["--nproc", "1", "--micro-batch", "16"],
             "accumulated": ["--nproc", "2", "--micro-batch", "4", "--grad-accum", "2", "--stage", "2"]}
     curves = {}
     for name, flags in runs.items():
-        assert main(flags + ["--steps", "8", "--out", str(tmp_path / name), "--device", "cpu"]) == 0
+        assert main(flags + ["--steps", "8", "--out", str(tmp_path / name), "--device", "cpu",
+                             "--data", tiny_data]) == 0
         curves[name] = losses(tmp_path / name)
     assert_same_curves(curves, "one-rank", steps=8)
 
 
-def test_deepspeed_stage2_config_trains(tmp_path, capfd):
+@pytest.mark.slow
+def test_deepspeed_stage2_config_trains(tmp_path, capfd, tiny_data):
     """DeepSpeed's documented ZeRO-2 config, with AdamW, bf16 and accumulation 4, through --config."""
     config = Path(__file__).parent.parent / "examples" / "ds_config_zero2.json"
     out = tmp_path / "ds"
-    assert main(["--config", str(config), "--steps", "12", "--seq", "64", "--out", str(out), "--device", "cpu"]) == 0
+    assert main(["--config", str(config), "--steps", "12", "--seq", "64", "--out", str(out), "--device", "cpu",
+                 "--data", tiny_data]) == 0
     err = capfd.readouterr().err
     assert err.count("warning: zerofunc ignores these DeepSpeed settings") == 1 and "allgather_bucket_size" in err
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -110,10 +116,11 @@ def test_deepspeed_stage2_config_trains(tmp_path, capfd):
     assert rows[-1]["loss"] < rows[0]["loss"]
 
 
-def test_fp16_trains_with_a_dynamic_loss_scale(tmp_path):
+@pytest.mark.slow
+def test_fp16_trains_with_a_dynamic_loss_scale(tmp_path, tiny_data):
     out = tmp_path / "fp16"
     assert main(["--precision", "fp16", "--stage", "3", "--steps", "12", "--seq", "64", "--out", str(out),
-                 "--device", "cpu"]) == 0
+                 "--device", "cpu", "--data", tiny_data]) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(r["loss"] == r["loss"] for r in rows) and rows[-1]["loss"] < rows[0]["loss"]
     assert rows[-1]["loss_scale"] <= 2.0**16 and "skipped_steps" in rows[-1]
@@ -138,7 +145,10 @@ def test_bad_config_is_one_line_and_writes_nothing(tmp_path, capsys, content, me
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_summary_lists_every_rank_and_plot_draws_the_loss(tmp_path, capfd):
+    """As a user first types it: the built-in corpus (the one launch here that reads it, in the launcher
+    and in both ranks; the others take tests/conftest.py's tiny_data)."""
     png = tmp_path / "loss.png"
     assert main(["--steps", "3", "--seq", "32", "--out", str(tmp_path / "run"), "--plot", str(png),
                  "--device", "cpu"]) == 0

@@ -23,6 +23,16 @@ from zerofunc.models import GPTConfig, LlamaConfig, ModelConfig, build_model
 IN_RANK = settings(derandomize=True, database=None, deadline=None, print_blob=False,
                    suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
 
+IN_WORLD_EXAMPLES = 6  # cases per world under hypothesis' own profiles, whose 100 are meant for cheap tests
+
+
+def examples_in_world() -> int:
+    """How many cases each world of an in-world property test draws: the max_examples of the suite's
+    active profile (tests/conftest.py: fast 2, full 40), else IN_WORLD_EXAMPLES. Read in the launching
+    process and passed to the ranks, which do not load the profile."""
+    name = settings.get_current_profile_name().split("-with-")[0]  # the pytest plugin's -with-verbosity copies
+    return settings.get_profile(name).max_examples if name in ("fast", "full") else IN_WORLD_EXAMPLES
+
 
 # The rules a communicator may choose its collectives by: a gloo run's own (the cpu-gloo profile's
 # rates), the ZeRO paper's ops throughout, rates under which every collective is an all-reduce,
