@@ -20,7 +20,7 @@ since; the flag stays on for the rest of the process (a few microseconds per CPU
 so that the table stays exact from one witness to the next. The reporter knows only blocks
 allocated since the flag went on: one allocated before and freed later is never subtracted,
 so what a measured step frees must have been allocated under a witness (build and warm up
-inside it). Single events are kept for attribution (`temporaries`, `live_at_peak`); the peak
+inside it). Single events are kept for attribution (`temporaries`); the peak
 and the end come from the totals.
 
 What the allocator counts that the tracker does not is named and measured in docs/MEMORY.md;
@@ -128,21 +128,6 @@ class Window:
             most[name] = max(most.get(name, 0), peak)
         return {k: v for k, v in sorted(most.items(), key=lambda kv: -kv[1]) if v}
 
-    def live_at_peak(self) -> list[Allocation]:
-        """The allocations made in the window and, as far as the profiler heard, still live at its
-        peak: what the peak consists of (a block freed where the profiler does not listen stays in)."""
-        if not self.events:
-            return []
-        at = max(range(len(self.events)), key=lambda i: self.events[i].total)
-        live: dict[int, Allocation] = {}
-        for e in self.events[:at + 1]:
-            if e.nbytes > 0:
-                live[e.ptr] = e
-            else:
-                live.pop(e.ptr, None)
-        return list(live.values())
-
-
 @dataclass(frozen=True)
 class StepMemory:
     """One step's peak and net change above its start, by the allocator and by the tracker (bytes),
@@ -154,11 +139,6 @@ class StepMemory:
     tracker_end: int
     tracker_base: int
     window: Window
-
-    @property
-    def difference(self) -> int:
-        """Allocator minus tracker: positive where the allocator saw more."""
-        return self.allocator_peak - self.tracker_peak
 
 
 class AllocatorWitness:
@@ -256,15 +236,3 @@ class AllocatorWitness:
             if label in self._tracked:
                 peak, end, base = self._tracked[label]
                 self.steps[label] = StepMemory(window.peak, peak, window.end, end, base, window)
-
-
-def witness_step(step: Callable[[], T], tracker, warmup: int = 1) -> tuple[T, StepMemory]:
-    """Run `step` warmup + 1 times under the witness, with `tracker` entered for each, and compare
-    their peaks above the start of the last run. Whatever the step frees must have been allocated
-    by a step (the warm-up's leftovers are), not before: see AllocatorWitness."""
-    with AllocatorWitness() as witness:
-        for _ in range(warmup):
-            with tracker:
-                step()
-        out = witness.measure("step", step, tracker)
-    return out, witness.steps["step"]

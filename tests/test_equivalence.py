@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from tests.bare import OPTIM, in_world
-from tests.steps import Step, check_steps, record_step
-from tests.worlds import (COLLECTIVE_RULES, Case, IN_RANK, agreed_max, examples_in_world, global_batches,
+from tests.steps import Step, agreed_max, check_steps, record_step
+from tests.worlds import (COLLECTIVE_RULES, Case, IN_RANK, examples_in_world, global_batches,
                           reference_model, small_cases)
 from zerofunc.comm import DistCommunicator
 from zerofunc.engine import ZeroEngine

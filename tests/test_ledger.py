@@ -29,7 +29,8 @@ import torch
 from hypothesis import given, settings
 
 from tests.bare import in_world
-from tests.worlds import COLLECTIVE_RULES, IN_RANK, agreed_max, global_batches, small_cases
+from tests.steps import agreed_max
+from tests.worlds import COLLECTIVE_RULES, IN_RANK, global_batches, small_cases
 from sim.cost import Link, issued_as
 from sim.hardware import get_profile
 from sim.ledger import VOLUME_FACTOR

@@ -16,7 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from sim.memory import MemoryTracker
 from tests.bare import in_world
-from tests.worlds import Case, agreed_max, global_batches
+from tests.steps import agreed_max
+from tests.worlds import Case, global_batches
 from train.cli import main as train_main
 from zerofunc.comm import DistCommunicator
 from zerofunc.config import ConfigError, parse

@@ -10,7 +10,8 @@ from hypothesis import given, settings, strategies as st
 
 from sim.memory import MemoryTracker
 from tests.bare import in_world
-from tests.worlds import IN_RANK, agreed_max, global_batches, small_cases
+from tests.steps import agreed_max
+from tests.worlds import IN_RANK, global_batches, small_cases
 from train.cli import main as train_main
 from zerofunc.comm import DistCommunicator
 from zerofunc.engine import ZeroEngine

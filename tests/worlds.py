@@ -15,7 +15,6 @@ import torch
 from hypothesis import HealthCheck, Phase, settings, strategies as st
 
 from sim.cost import Link
-from tests.steps import agreed_max  # noqa: F401 (the property tests' verdicts, agreed over ranks)
 from zerofunc.models import GPTConfig, LlamaConfig, ModelConfig, build_model
 
 # No shrinking: every shrink step re-runs a case on all ranks, which made one failing
