@@ -38,6 +38,9 @@ from sim import placement
 from sim.tensors import tensors
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers", "other")
+# set_ points a tensor at a storage someone else made, and allocates nothing: safetensors makes its
+# tensors this way over the file's memory map, which is page cache, not the process's own memory
+_ADOPTING = {torch.ops.aten.set_.source_Storage, torch.ops.aten.set_.source_Storage_storage_offset}
 
 
 @dataclass
@@ -156,15 +159,17 @@ class MemoryTracker(TorchDispatchMode):
         host = placement.on_host(placement.where())
         for t in tensors(out):
             if not self._in_backend and id(t.untyped_storage()) not in self._storages:
-                self._add(t.untyped_storage(), self._category[-1], host)
+                self._add(t.untyped_storage(), self._category[-1], host, adopted=func in _ADOPTING)
         return out
 
     # ---- bookkeeping ---------------------------------------------------------------------
-    def _add(self, storage, category: str, host: bool = False) -> None:
+    def _add(self, storage, category: str, host: bool = False, adopted: bool = False) -> None:
+        """Count `storage`; an adopted one is known at 0 bytes, so that its views are not counted either."""
         key = id(storage)
         # a weak reference whose callback uncounts the storage (cheaper than weakref.finalize,
         # and a simulated step of a large model makes tens of thousands); the entry keeps it alive
-        entry = [category, storage.nbytes(), weakref.ref(storage, lambda _, key=key: self._free(key)), host]
+        nbytes = 0 if adopted else storage.nbytes()
+        entry = [category, nbytes, weakref.ref(storage, lambda _, key=key: self._free(key)), host]
         self._storages[key] = entry
         (self.host_live if host else self.live)[category] += entry[1]
         self._changed(category, host)

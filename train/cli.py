@@ -22,7 +22,9 @@ from zerofunc.config import (MAX_BUCKET_MB, MAX_COMM_TIMEOUT_S, MAX_MICRO_BATCH_
                              read as read_config)
 from zerofunc.launch import (RankError, comm_failure_line, default_backend, init_torchrun, is_comm_failure, spawn,
                              under_torchrun)
+from zerofunc import pretrained
 from zerofunc.checkpoint_files import CheckpointError, verify
+from zerofunc.pretrained import WeightsError
 from zerofunc.models import MODELS, build_model, model_config
 from zerofunc.overlap import Overlap
 from zerofunc.recompute import MODES
@@ -43,8 +45,13 @@ DEFAULTS = dict(model="gpt2-tiny", stage=3, nproc=2, steps=1000, micro_batch=8, 
 
 def parse(argv: list[str] | None) -> TrainArgs:
     p = ArgumentParser(prog="python -m train", description="Train a GPT-2 or a Llama with ZeRO stages 0-3.")
-    p.add_argument("--model", default=DEFAULTS["model"],
-                   help=f"a Hugging Face config.json (llama, mistral, qwen2, gpt2), or one of {', '.join(MODELS)}")
+    p.add_argument("--model", default=None,
+                   help=f"a Hugging Face model directory or config.json (llama, mistral, qwen2, gpt2), or one of "
+                        f"{', '.join(MODELS)} (default {DEFAULTS['model']}, or the model --init-from names)")
+    p.add_argument("--init-from", metavar="PATH", default=None,
+                   help="start from pretrained weights: a Hugging Face model directory (safetensors, sharded or "
+                        "not), a .safetensors file (give --model too), or a zerofunc checkpoint or run directory; "
+                        "each rank reads only its own shard")
     p.add_argument("--config", default=None, help="a DeepSpeed-style JSON config; the flags below override it")
     p.add_argument("--stage", type=int, default=None, help=f"ZeRO stage: 0, 1, 2 or 3 (default {DEFAULTS['stage']})")
     p.add_argument("--nproc", type=int, default=DEFAULTS["nproc"], help="ranks to start (ignored under torchrun)")
@@ -58,7 +65,15 @@ def parse(argv: list[str] | None) -> TrainArgs:
     p.add_argument("--clip", type=float, default=None, help="clip the global gradient norm to this (0: off)")
     p.add_argument("--dropout", type=float, default=0.0, help="dropout rate, seeded per global sample (default off)")
     p.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="seed of the initial weights and the data order")
-    p.add_argument("--data", default=None, help="a file of training bytes (default: the standard library's sources)")
+    p.add_argument("--data", default=None,
+                   help="a directory of tokens made by python -m train.prepare, or a file of training bytes "
+                        "(default: the standard library's sources, as bytes)")
+    p.add_argument("--eval-every", type=int, default=0, metavar="K",
+                   help="every K steps (and after the last), the loss on the data's val.bin (0: never)")
+    p.add_argument("--eval-batches", type=int, default=8, metavar="B",
+                   help="global batches of val.bin to evaluate on, the same windows every time (default 8)")
+    p.add_argument("--tensorboard", metavar="DIR", default=None,
+                   help="also write the metrics as TensorBoard scalars to DIR (needs the tensorboard extra)")
     p.add_argument("--out", default="runs/latest", help="directory for metrics.jsonl and checkpoints")
     p.add_argument("--save-every", type=int, default=0, help="save a sharded checkpoint every K steps (0: never)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint under --out")
@@ -95,6 +110,7 @@ def parse(argv: list[str] | None) -> TrainArgs:
 
     if not 0 <= a.dropout < 1:
         raise UsageError(f"--dropout must lie in [0, 1), got {a.dropout}")
+    a.model = _model_spec(a)
     try:
         model_cfg = model_config(a.model, dropout=a.dropout)
     except ValueError as e:
@@ -153,14 +169,32 @@ def parse(argv: list[str] | None) -> TrainArgs:
     if a.bucket_mb is not None:
         overlap = replace(overlap, bucket_bytes=int(a.bucket_mb * 2**20))
     config = replace(config, overlap=overlap)
-    if a.resume:
-        with torch.device("meta"):
-            model = build_model(model_cfg)
+    for flag in ("eval_every", "eval_batches"):
+        if getattr(a, flag) < (0 if flag == "eval_every" else 1):
+            raise UsageError(f"--{flag.replace('_', '-')} must be at least {0 if flag == 'eval_every' else 1}, "
+                             f"got {getattr(a, flag)}")
+    with torch.device("meta"):
+        model = build_model(model_cfg)
+    if a.resume:  # the checkpoint's weights, not --init-from's
         units = [[[n, list(p.shape)] for n, p in named] for _, _, named in partition(model, model.shard_units())]
         verify(a.out, units)
+    elif a.init_from is not None:
+        pretrained.weights(a.init_from, model)  # names, shapes and files checked here, before any rank starts
     return TrainArgs(a.model, config, a.nproc, a.steps, a.seq, a.dropout, a.seed, a.data, a.out, device,
                      a.save_every, a.resume, a.plot, device == "cuda" if a.compile is None else a.compile,
-                     a.on_nonfinite, a.on_save_error, config.comm_timeout)
+                     a.on_nonfinite, a.on_save_error, config.comm_timeout, a.init_from, a.eval_every,
+                     a.eval_batches, a.tensorboard)
+
+
+def _model_spec(a: argparse.Namespace) -> str:
+    """--model, else the model --init-from names (a model directory's config.json, a checkpoint's model)."""
+    if a.init_from is None or a.model is not None:
+        return a.model or DEFAULTS["model"]
+    spec = pretrained.model_spec(a.init_from)
+    if spec is None:
+        raise UsageError(f"--init-from {a.init_from} names no model (no config.json beside the weights): "
+                         f"give --model too")
+    return spec
 
 
 def _flag_defaults() -> dict:
@@ -200,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse(argv)
         load_tokens(args.data, args.seq)  # fail here, in one line, rather than in every rank
-    except (UsageError, DataError, ConfigError, CheckpointError) as e:
+    except (UsageError, DataError, ConfigError, CheckpointError, WeightsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     if args.config.ignored:

@@ -17,7 +17,7 @@ from sim.memory import MemoryTracker
 from train.data import load_tokens, rank_batch
 from train.preempt import StopAgreement
 from train.report import Progress, plot_loss, summary
-from zerofunc import checkpoint
+from zerofunc import checkpoint, pretrained
 from zerofunc.checkpoint import SaveError
 from zerofunc.checkpoint_files import step_dir
 from zerofunc.comm import DistCommunicator
@@ -46,6 +46,10 @@ class TrainArgs:
     on_nonfinite: str = "stop"  # a step whose gradients hold an inf or a NaN: "stop" the run, or "skip" the step
     on_save_error: str = "stop"  # a checkpoint that cannot be written: "stop" the run, or "continue" without it
     comm_timeout: float = 300.0  # seconds a collective may wait for the other ranks before it fails
+    init_from: Optional[str] = None  # pretrained weights: a model directory, a .safetensors file or a checkpoint
+    eval_every: int = 0          # the loss on val.bin every K steps and after the last (0: never)
+    eval_batches: int = 8        # global batches of val.bin per evaluation
+    tensorboard: Optional[str] = None  # also write the metrics as TensorBoard scalars here
 
 
 def rank_device(kind: str) -> torch.device:
@@ -69,8 +73,11 @@ def train_rank(args: TrainArgs) -> dict:
     # Peak memory: on CUDA the allocator's own count; on CPU the planner's tracker, on real tensors.
     tracker = MemoryTracker() if device.type == "cpu" else None
     cfg = args.config
-    engine = zerofunc.initialize(model, cfg, device=device, comm=comm, memory=tracker, compile=args.compile,
-                                 init=lambda name, shape: model.init_param(name, shape, args.seed))
+    if args.init_from is not None and not args.resume:  # each rank reads its own shard of the files
+        init = pretrained.weights(args.init_from, model)
+    else:
+        init = lambda name, shape: model.init_param(name, shape, args.seed)  # noqa: E731
+    engine = zerofunc.initialize(model, cfg, device=device, comm=comm, memory=tracker, compile=args.compile, init=init)
     first = 1
     if args.resume:
         first = checkpoint.load(engine, args.out)["step"] + 1

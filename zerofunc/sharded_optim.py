@@ -34,6 +34,7 @@ class ShardedAdamW:
         self.step_count = 0          # optimizer steps taken (skipped ones excluded)
         self.skipped_steps = 0       # boundaries whose fp16 gradients overflowed
         self.nonfinite_steps = 0     # boundaries whose fp32 or bf16 gradients held an inf or a NaN
+        self.grad_norm = float("nan")  # the last boundary's global gradient norm (before clipping)
         self.lr_schedule: Optional[Callable[[int], float]] = None  # step (from 1) -> lr, when step() gets none
 
     @torch.no_grad()
@@ -138,6 +139,7 @@ class ShardedAdamW:
             self.comm.all_reduce(stats, tag="grad_norm", mean=False)
         stats[0:1].sqrt_()  # the norm, in fp32 as before
         norm, found_inf = (stats.tolist() + [0.0])[:2] if device.type != "meta" else (0.0, 0.0)
+        self.grad_norm = norm  # the global norm of the step's (unscaled, unclipped) gradients, for the log
         factor = 1.0
         if scaler is not None:
             overflow = found_inf > 0 or not math.isfinite(norm)

@@ -18,6 +18,9 @@ from zerofunc.layout import FlatLayout
 from zerofunc.stages import Stage
 
 InitFn = Callable[[str, tuple[int, ...]], torch.Tensor]
+"""A parameter's initial value, whole, from its name and shape. An init may also offer
+`read_into(name, shape, lo, hi, out, memory)`, copying only elements [lo, hi) of the flattened
+parameter into `out`: pretrained weights (zerofunc/pretrained.py) read just a rank's shard that way."""
 
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -90,32 +93,40 @@ def materialize(name: str, module: nn.Module, named: list, world_size: int, rank
     kept = layout.shard_range(rank) if stage.shard_params else whole
     owned = layout.shard_range(rank) if stage.shard_optimizer else whole
 
+    read_into = getattr(init, "read_into", None)
+
     def filled(buf: torch.Tensor, span: tuple[int, int]) -> torch.Tensor:
         if init is not None and buf.device.type != "meta":
             for slot, lo, hi, at in layout.pieces(*span):
-                buf[at:at + hi - lo] = init(slot.name, slot.shape).reshape(-1)[lo:hi].to(buf.device, buf.dtype)
+                if read_into is not None:
+                    read_into(slot.name, slot.shape, lo, hi, buf[at:at + hi - lo], memory)
+                else:
+                    buf[at:at + hi - lo] = init(slot.name, slot.shape).reshape(-1)[lo:hi].to(buf.device, buf.dtype)
         return buf
 
-    params = filled(torch.zeros(kept[1] - kept[0], device=device, dtype=dtype), kept)
-    memory.track(params, "params")
+    def allocated(category: str, make) -> torch.Tensor:  # counted as what it is from the start, not as "other"
+        with memory.category(category):
+            t = make()
+        memory.track(t, category)
+        return t
+
+    params = filled(allocated("params", lambda: torch.zeros(kept[1] - kept[0], device=device, dtype=dtype)), kept)
     staging = None
     if offload is not None:
         master = filled(offload.zeros(owned[1] - owned[0], torch.float32, "optimizer"), owned)
         m, v = (offload.zeros(master.numel(), torch.float32, "optimizer") for _ in range(2))
         staging = offload.zeros(master.numel(), dtype, "grads")
     elif dtype != torch.float32:
-        master = filled(torch.zeros(owned[1] - owned[0], device=device, dtype=torch.float32), owned)
-        memory.track(master, "optimizer")
+        master = filled(allocated("optimizer", lambda: torch.zeros(owned[1] - owned[0], device=device,
+                                                                   dtype=torch.float32)), owned)
     else:
         master = params[owned[0] - kept[0]:owned[1] - kept[0]]
     if stage.shard_params:
-        full = torch.empty(layout.padded_numel, device=device, dtype=dtype)
+        full = allocated("buffers", lambda: torch.empty(layout.padded_numel, device=device, dtype=dtype))
         full.untyped_storage().resize_(0)
-        memory.track(full, "buffers")
+        memory.resized(full)
     else:
         full = params
     if offload is None:
-        m, v = torch.zeros_like(master), torch.zeros_like(master)
-        memory.track(m, "optimizer")
-        memory.track(v, "optimizer")
+        m, v = (allocated("optimizer", lambda: torch.zeros_like(master)) for _ in range(2))
     return Unit(name, module, layout, params, full, master, m, v, staging=staging, gathered=not stage.shard_params)

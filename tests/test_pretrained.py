@@ -1,0 +1,241 @@
+"""Pretrained weights in (zerofunc/pretrained.py): each rank reads only its shard's elements, the values
+are exactly the files' (GPT-2's Conv1D transposed, tied heads, bf16 widened), the load stays within its
+memory bound, and every mismatch is one line naming the tensor and the file, with nothing trained."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+from safetensors.torch import load_file, save_file
+
+from tests.bare import in_world
+from tests.hf_dirs import FAMILIES, save_hf_dir
+from zerofunc import pretrained
+from zerofunc.models import build_model, model_config
+
+# not importorskip: the ranks import this module, and transformers takes seconds to import
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+
+
+def meta_model(spec: str):
+    with torch.device("meta"):
+        return build_model(model_config(spec))
+
+
+def file_tensors(path) -> dict[str, torch.Tensor]:
+    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    out = {}
+    for name in sorted(set(index.values())):
+        out.update(load_file(path / name))
+    return out
+
+
+def expected(source, model, tensors) -> dict[str, torch.Tensor]:
+    """Each parameter as the files hold it, in our layout (Conv1D weights transposed)."""
+    names = source.names
+    return {n: tensors[names.key(n)].t() if names.transposed(n) else tensors[names.key(n)]
+            for n, _ in model.named_parameters()}
+
+
+# ---- the range reader, against the whole tensor ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def one_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("one") / "w.safetensors"
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(7, 13, generator=gen), "b": torch.randn(3, 4, 5, generator=gen),
+               "c": torch.randn(11, generator=gen), "d": torch.randn(13, 7, generator=gen).bfloat16()}
+    save_file(tensors, str(path))
+    return path, tensors
+
+
+@given(name=st.sampled_from(["a", "b", "c", "d", "a^T"]), data=st.data())
+def test_a_range_read_is_the_flattened_tensors_range(one_file, name, data):
+    """Any [lo, hi) of any tensor, read straight or transposed, is exactly that range of the whole
+    (planted: a part row cut one element late fails here)."""
+    path, tensors = one_file
+    key, transposed = name.rstrip("^T"), name.endswith("^T")
+    whole = tensors[key].t() if transposed else tensors[key]
+    n = whole.numel()
+    lo = data.draw(st.integers(0, n - 1))
+    hi = data.draw(st.integers(lo + 1, n))
+    out = torch.full((hi - lo,), float("nan"))
+    with pretrained._open(path) as h:
+        pretrained._read_range(h, key, tuple(whole.shape), lo, hi, transposed, out, pretrained.NoMemoryTracking())
+    assert torch.equal(out, whole.reshape(-1)[lo:hi].float())
+
+
+# ---- whole loads, in a world where tensors straddle shard boundaries ----------------------------------
+
+def load_every_family(dirs: dict, stage: int) -> dict:
+    import zerofunc
+
+    out = {}
+    for family, path in dirs.items():
+        model = meta_model(str(path / "config.json"))
+        source = pretrained.weights(path, model)
+        engine = zerofunc.initialize(model, {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
+                                             "bf16": {"enabled": family == "qwen2"}}, init=source)
+        want = expected(source, model, file_tensors(path))
+        full = engine.full_parameters()
+        assert full.keys() == want.keys(), family
+        out[family] = {n: torch.equal(full[n], want[n].float()) for n in full}
+    return out
+
+
+@pytest.mark.slow
+def test_three_ranks_load_exactly_the_files_values(tmp_path):
+    """Llama (untied, GQA), Qwen2 (tied, biases; a bf16 file into fp32 masters and bf16 weights), GPT-2
+    (Conv1D, prefixed keys), at stage 3 on 3 ranks: every master equals the file's value, widened
+    exactly (planted: skipping the Conv1D transpose fails on transformer.h.0.attn.c_attn.weight's
+    shape check; reading a shard from the wrong rows fails here)."""
+    dirs = {f: save_hf_dir(f, tmp_path / f, dtype=torch.bfloat16 if f == "qwen2" else torch.float32)
+            for f in FAMILIES}
+    for per_rank in in_world(3, load_every_family, dirs, 3):
+        for family, equal in per_rank.items():
+            assert all(equal.values()), f"{family}: {[n for n, ok in equal.items() if not ok]}"
+
+
+def load_with_tracker(path, stage: int) -> dict:
+    """Load on this rank under the memory tracker: its peak, what stays live, and the largest slice a
+    range read takes from the files (whole rows, or a Conv1D weight's whole columns)."""
+    import zerofunc
+    from sim.memory import MemoryTracker
+    from zerofunc.units import partition
+
+    model = meta_model(str(path / "config.json"))
+    source = pretrained.weights(path, model)
+    tracker = MemoryTracker()
+    with tracker:
+        engine = zerofunc.initialize(model, {"train_micro_batch_size_per_gpu": 1,
+                                             "zero_optimization": {"stage": stage}}, init=source, memory=tracker)
+    rank = engine.comm.rank
+    largest = 0
+    for unit, (_, _, named) in zip(engine.units, partition(model, model.shard_units())):
+        for slot, lo, hi, _ in unit.layout.pieces(*unit.layout.shard_range(rank)):
+            width = math.prod(slot.shape[1:])  # our rows; a transposed weight's are the file's columns
+            rows = math.ceil(hi / width) - lo // width
+            largest = max(largest, rows * width * 4)  # fp32 files
+    shard = sum(u.layout.shard_numel for u in engine.units)
+    report = tracker.report()
+    return {"peak": tracker.peak, "end": sum(tracker.live.values()), "largest_slice": largest,
+            "in_flight": report.max_by_category["other"], "params": tracker.live["params"],
+            "whole_model": sum(u.layout.numel for u in engine.units) * 4}
+
+
+def load_both_with_tracker(dirs: dict, stage: int) -> dict:
+    return {family: load_with_tracker(path, stage) for family, path in dirs.items()}
+
+
+def test_a_rank_loading_holds_its_shard_plus_one_slice(tmp_path):
+    """Stage 3 on 2 ranks, through the memory tracker: each rank's peak while loading is at most what
+    it keeps (its shard of the weights and AdamW's moments) plus the largest single slice it reads,
+    and what is read is never more than that slice at a time. Tied models, so that each rank's shard
+    ends or starts inside the embedding. Reading whole tensors instead (planted: materialize calling
+    init(name, shape) and cutting) holds a whole embedding in flight, twice the bound."""
+    dirs = {family: save_hf_dir(family, tmp_path / family, vocab=1000) for family in ("qwen2", "gpt2")}
+    for rank in (r for per_rank in in_world(2, load_both_with_tracker, dirs, 3) for r in per_rank.values()):
+        assert rank["in_flight"] <= rank["largest_slice"], rank
+        assert rank["end"] <= rank["peak"] <= rank["end"] + rank["largest_slice"], rank
+        assert rank["params"] < rank["whole_model"] / 2 + rank["largest_slice"], rank  # no rank builds the model
+
+
+# ---- mismatches: one line naming the tensor and the file, exit 2, nothing trained ---------------------
+
+def run_train(capsys, *argv) -> tuple[int, str]:
+    from train.cli import main
+
+    capsys.readouterr()  # what building the files printed
+    rc = main(list(argv))
+    return rc, capsys.readouterr().err
+
+
+@pytest.fixture
+def llama_dir(tmp_path):
+    return save_hf_dir("llama", tmp_path / "llama")
+
+
+def shard_holding(path, key: str):
+    return path / json.loads((path / "model.safetensors.index.json").read_text())["weight_map"][key]
+
+
+def rewrite(file, change) -> None:
+    tensors = load_file(file)
+    change(tensors)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def missing_tensor(path):
+    key = "model.layers.1.mlp.up_proj.weight"
+    f = shard_holding(path, key)
+    rewrite(f, lambda t: t.pop(key))
+    return [key, f.name]
+
+
+def unexpected_tensor(path):
+    index = path / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    doc["weight_map"]["model.layers.0.extra.weight"] = doc["weight_map"]["lm_head.weight"]
+    index.write_text(json.dumps(doc))
+    rewrite(shard_holding(path, "lm_head.weight"), lambda t: t.update({"model.layers.0.extra.weight": torch.ones(3)}))
+    return ["model.layers.0.extra.weight", shard_holding(path, "lm_head.weight").name]
+
+
+def wrong_shape(path):
+    key = "model.norm.weight"
+    rewrite(shard_holding(path, key), lambda t: t.update({key: torch.ones(7)}))
+    return [key, shard_holding(path, key).name, "[7]", "[40]"]
+
+
+def unreadable_file(path):
+    f = shard_holding(path, "model.embed_tokens.weight")
+    f.write_bytes(f.read_bytes()[:20])
+    return [f.name]
+
+
+def index_to_missing_file(path):
+    f = shard_holding(path, "model.norm.weight")
+    f.unlink()
+    return [f.name, "does not exist"]
+
+
+@pytest.mark.parametrize("spoil", [missing_tensor, unexpected_tensor, wrong_shape, unreadable_file,
+                                   index_to_missing_file])
+def test_a_mismatch_is_one_line_and_nothing_trains(capsys, tmp_path, llama_dir, spoil):
+    """Checked in the launcher, before any rank starts (planted: dropping the unexpected-tensor check
+    trains on, exit 0)."""
+    names = spoil(llama_dir)
+    out = tmp_path / "run"
+    rc, err = run_train(capsys, "--init-from", str(llama_dir), "--steps", "2", "--seq", "8", "--out", str(out))
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("error: "), err
+    assert all(n in err for n in names), (names, err)
+    assert not (out / "metrics.jsonl").exists()
+
+
+def test_a_lone_file_needs_a_model_and_a_wrong_model_is_named(capsys, tmp_path, llama_dir):
+    lone = shard_holding(llama_dir, "model.norm.weight")
+    rc, err = run_train(capsys, "--init-from", str(lone), "--out", str(tmp_path / "a"))
+    assert rc == 2 and "give --model" in err, err
+    rc, err = run_train(capsys, "--init-from", str(llama_dir), "--model", "gpt2-tiny", "--out", str(tmp_path / "b"))
+    assert rc == 2 and err.count("\n") == 1 and "wte.weight" in err and "index.json" in err, err
+
+
+def test_gpt2_files_of_every_vintage_read_alike(tmp_path):
+    """The OpenAI-converted files have no `transformer.` prefix and carry the attention-mask buffers;
+    a tied file may carry the head too: all read to the same weights, Conv1D transposed."""
+    path = save_hf_dir("gpt2", tmp_path / "new")
+    model = meta_model(str(path / "config.json"))
+    tensors = file_tensors(path)
+    want = expected(pretrained.weights(path, model), model, tensors)
+    old = {k.removeprefix("transformer."): v for k, v in tensors.items()}
+    old |= {"h.0.attn.bias": torch.ones(1, 1, 4, 4), "h.1.attn.masked_bias": torch.tensor(-1e4),
+            "lm_head.weight": tensors["transformer.wte.weight"].clone()}
+    save_file(old, str(tmp_path / "old.safetensors"))
+    source = pretrained.weights(tmp_path / "old.safetensors", model)
+    assert source.names.prefix == ""
+    for name, w in want.items():
+        assert torch.equal(source(name, tuple(w.shape)), w), name
