@@ -14,7 +14,8 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from train.data import DataError, load_tokens
+from train import tensorboard
+from train.data import DataError, check_vocab, load_corpus, val_batches
 from train.lock import LockError, RunLock
 from train.loop import TrainArgs, train_rank
 from zerofunc.config import (MAX_BUCKET_MB, MAX_COMM_TIMEOUT_S, MAX_MICRO_BATCH_TOKENS, MAX_PREFETCH_DEPTH,
@@ -115,9 +116,6 @@ def parse(argv: list[str] | None) -> TrainArgs:
         model_cfg = model_config(a.model, dropout=a.dropout)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if model_cfg.vocab_size < 256:
-        raise UsageError(f"the training data are bytes: the model's vocabulary needs 256 entries, it has "
-                         f"{model_cfg.vocab_size}")
     if a.stage is not None and a.stage not in (0, 1, 2, 3):
         raise UsageError(f"--stage must be 0, 1, 2 or 3, got {a.stage}")
     if a.plot is not None and not a.plot.lower().endswith(".png"):
@@ -233,7 +231,7 @@ def _overrides(a: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parse(argv)
-        load_tokens(args.data, args.seq)  # fail here, in one line, rather than in every rank
+        _check_data(args)  # fail here, in one line, rather than in every rank
     except (UsageError, DataError, ConfigError, CheckpointError, WeightsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -265,6 +263,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'stopped' if kind == 'preempted' else 'error'}: {line}", file=sys.stderr)
         return EXIT_CODES[kind]
     return 0
+
+
+def _check_data(args: TrainArgs) -> None:
+    """The data fit the model, hold what evaluation needs, and the TensorBoard extra is there."""
+    corpus = load_corpus(args.data, args.seq)
+    check_vocab(corpus, model_config(args.model).vocab_size)
+    if args.eval_every:
+        val_batches(corpus, 1, 1, 1, 0, args.seq)
+    if args.tensorboard is not None:
+        tensorboard.check(args.tensorboard)
 
 
 def _torchrun_rank(args: TrainArgs, backend: str) -> dict:

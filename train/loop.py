@@ -14,7 +14,9 @@ import torch.distributed as dist
 
 import zerofunc
 from sim.memory import MemoryTracker
-from train.data import load_tokens, rank_batch
+from train.data import load_corpus, rank_batch, val_batches
+from train.evaluate import evaluate
+from train.tensorboard import TensorBoardLog
 from train.preempt import StopAgreement
 from train.report import Progress, plot_loss, summary
 from zerofunc import checkpoint, pretrained
@@ -66,7 +68,7 @@ def train_rank(args: TrainArgs) -> dict:
     device = rank_device(args.device)
     if device.type == "cpu":  # ranks share the cores; oversubscribing them slows every rank
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    tokens = load_tokens(args.data, args.seq)
+    corpus = load_corpus(args.data, args.seq)
     with torch.device("meta"):
         model = build_model(model_config(args.model, dropout=args.dropout))
     comm = DistCommunicator()
@@ -84,6 +86,10 @@ def train_rank(args: TrainArgs) -> dict:
     saved = first - 1 if args.resume else None  # the step of the newest checkpoint of this run
     stop = StopAgreement()
     metrics = _open_metrics(args.out, keep_through=first - 1) if rank == 0 else None
+    board = TensorBoardLog(args.tensorboard, first) if rank == 0 and args.tensorboard else None
+    held_out = ([[t.to(device) for t in batch]
+                 for batch in val_batches(corpus, args.eval_batches, cfg.micro_batch, world, rank, args.seq)]
+                if args.eval_every else None)
     tokens_per_step = cfg.train_batch_size * args.seq
     progress = Progress(first, args.steps) if rank == 0 else None
     start = time.perf_counter()
@@ -96,7 +102,7 @@ def train_rank(args: TrainArgs) -> dict:
             totals["stopped"] = _stop_preempted(engine, args, step - 1, saved, stop.agreed[1])
             break
         t0 = time.perf_counter()
-        micro_batches = [[t.to(device) for t in rank_batch(tokens, step, cfg.micro_batch, world, rank, args.seq,
+        micro_batches = [[t.to(device) for t in rank_batch(corpus, step, cfg.micro_batch, world, rank, args.seq,
                                                            args.seed, cfg.grad_accum, j)]
                          for j in range(cfg.grad_accum)]
         comm.ledger.clear()
@@ -113,20 +119,27 @@ def train_rank(args: TrainArgs) -> dict:
         step_s = time.perf_counter() - t0
         peak = tracker.peak if tracker is not None else torch.cuda.max_memory_allocated(device)
         volume = comm.ledger.volume_bytes()
+        val_loss = None
+        if held_out is not None and (step % args.eval_every == 0 or step == args.steps):
+            val_loss = evaluate(engine, held_out)  # after the step's own figures: its collectives are not counted
         totals["peak_bytes"] = max(totals["peak_bytes"], peak)
         totals["comm_bytes"] += volume
         totals["tokens"] += tokens_per_step
         if metrics is not None:
             row = {"step": step, "loss": loss_mean, "tokens": step * tokens_per_step, "time_s": step_s,
                    "elapsed_s": time.perf_counter() - start, "comm_volume_bytes": volume, "peak_bytes": peak,
-                   "lr": cfg.lr(max(engine.optimizer.step_count, 1))}
+                   "lr": cfg.lr(max(engine.optimizer.step_count, 1)), "grad_norm": engine.optimizer.grad_norm}
+            if val_loss is not None:
+                row |= {"val_loss": val_loss}
             if engine.optimizer.loss_scaler is not None:
                 row |= {"loss_scale": engine.optimizer.loss_scaler.scale, "skipped_steps": engine.optimizer.skipped_steps}
             if skipped:
                 row |= {"nonfinite": True}
             metrics.write(json.dumps(row) + "\n")
             metrics.flush()
-            progress.update(step, loss_mean, tokens_per_step / step_s, peak)
+            if board is not None:
+                board.write(row)
+            progress.update(step, loss_mean, tokens_per_step / step_s, peak, val_loss)
         if skipped and args.on_nonfinite == "stop":
             totals["stopped"] = _stop_nonfinite(engine, args, step, loss_mean, saved)
             break
@@ -147,6 +160,8 @@ def train_rank(args: TrainArgs) -> dict:
     if rank == 0:
         metrics.close()
         progress.close()
+        if board is not None:
+            board.close()
         if args.steps >= first and "stopped" not in totals:
             print(summary(per_rank, args.steps - first + 1), flush=True)
         if args.plot:

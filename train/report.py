@@ -16,14 +16,20 @@ class Progress:
     def __init__(self, first: int, total: int):
         self.bar = tqdm(total=total, initial=first - 1, unit="step", dynamic_ncols=True) if sys.stderr.isatty() else None
         self.total = total
+        self.val_loss = None  # the latest evaluation's, shown until the next
 
-    def update(self, step: int, loss: float, tokens_per_s: float, peak_bytes: int) -> None:
+    def update(self, step: int, loss: float, tokens_per_s: float, peak_bytes: int,
+               val_loss: float | None = None) -> None:
+        if val_loss is not None:
+            self.val_loss = val_loss
+        val = self.val_loss
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", peak=f"{peak_bytes / GiB:.2f} GiB",
-                                 refresh=False)
+            self.bar.set_postfix(loss=f"{loss:.4f}", **({"val": f"{val:.4f}"} if val is not None else {}),
+                                 tok_s=f"{tokens_per_s:,.0f}", peak=f"{peak_bytes / GiB:.2f} GiB", refresh=False)
             self.bar.update(1)
         else:
-            print(f"step {step:5d}/{self.total}  loss {loss:.4f}  {tokens_per_s:9.0f} tok/s  "
+            shown = f"  val {val_loss:.4f}" if val_loss is not None else ""
+            print(f"step {step:5d}/{self.total}  loss {loss:.4f}{shown}  {tokens_per_s:9.0f} tok/s  "
                   f"peak {peak_bytes / GiB:.3f} GiB", flush=True)
 
     def close(self) -> None:
@@ -51,7 +57,12 @@ def plot_loss(metrics: Path, png: Path) -> None:
 
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], linewidth=1)
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], linewidth=1, label="train")
+    evaluated = [r for r in rows if "val_loss" in r]
+    if evaluated:
+        ax.plot([r["step"] for r in evaluated], [r["val_loss"] for r in evaluated], "o-", linewidth=1,
+                markersize=3, label="validation")
+        ax.legend()
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss (mean over the global batch)")
     ax.set_title(f"{metrics.parent.name}: loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}", fontsize=10)
