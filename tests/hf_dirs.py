@@ -16,7 +16,7 @@ import torch
 FAMILIES = ("llama", "qwen2", "gpt2")
 
 
-def hf_model(family: str, vocab: int = 300, context: int = 64):
+def hf_model(family: str, vocab: int = 300, context: int = 128):
     """A Hugging Face causal LM of `family` with random weights, in eval mode (no dropout)."""
     import transformers as tf
 

@@ -76,7 +76,7 @@ def parse(argv: list[str] | None) -> TrainArgs:
     p.add_argument("--tensorboard", metavar="DIR", default=None,
                    help="also write the metrics as TensorBoard scalars to DIR (needs the tensorboard extra)")
     p.add_argument("--out", default="runs/latest", help="directory for metrics.jsonl and checkpoints")
-    p.add_argument("--save-every", type=int, default=0, help="save a sharded checkpoint every K steps (0: never)")
+    p.add_argument("--save-every", type=int, default=0, help="save a sharded checkpoint every K steps and after the last (0: never)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint under --out")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="draw the loss curve at the end")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA if available")

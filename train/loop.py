@@ -143,7 +143,7 @@ def train_rank(args: TrainArgs) -> dict:
         if skipped and args.on_nonfinite == "stop":
             totals["stopped"] = _stop_nonfinite(engine, args, step, loss_mean, saved)
             break
-        if args.save_every and step % args.save_every == 0:
+        if args.save_every and (step % args.save_every == 0 or step == args.steps):  # the last step too
             try:
                 _save(engine, args, step)
                 saved = step
