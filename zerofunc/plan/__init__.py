@@ -43,8 +43,8 @@ MAX_MICRO_BATCH = 1 << 16
 class Plan:
     """What to simulate.
 
-    `model` is a preset name (zerofunc.models.MODELS), a Hugging Face config.json path,
-    a model config, or any callable that returns an `nn.Module` built on the meta device
+    `model` is a preset name (zerofunc.models.MODELS), a Hugging Face config.json path or
+    model directory, a model config, or any callable that returns an `nn.Module` built on the meta device
     (its units are then `default_units`, as in the trainer, and `seq` must be given).
     Give `params` instead for model states only.
     """

@@ -3,6 +3,8 @@
 By default (`--levers auto`) it searches stage x activation checkpointing x optimizer
 offload x micro-batch for the most tokens/s that fits; a lever given on the command line
 is fixed, and `--levers none` plans each stage without levers at the given micro-batch.
+The model may be a Hugging Face model directory, and the recommendation comes with the
+python -m train command that fine-tunes it with every lever the plan chose (command.py).
 Bad input prints one line, "error: ...", and exits with 2; nothing is written.
 """
 from __future__ import annotations
@@ -36,7 +38,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = ArgumentParser(prog="python -m zerofunc.plan",
                        description="Simulate each ZeRO stage's per-rank memory and communication.")
     p.add_argument("--model", default="gpt2-small",
-                   help=f"a Hugging Face config.json (llama, mistral, qwen2, gpt2), or one of {', '.join(MODELS)}")
+                   help=f"a Hugging Face model directory or its config.json (llama, mistral, qwen2, gpt2), "
+                        f"or one of {', '.join(MODELS)}")
     p.add_argument("--params", type=int, default=None,
                    help="plan a model of N parameters with no architecture (model states only)")
     p.add_argument("--world-size", required=True,
@@ -142,8 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         ranks = f"ranks: auto, the fewest that fit ({tried})"
     else:
         ranks = f"{sizes[0]} ranks" if len(sizes) == 1 else f"ranks: {', '.join(map(str, sizes))}"
-    print(json.dumps(as_json(base, reports, capacity, costs), indent=2) if a.json else
-          as_table(base, reports, capacity, ranks, costs, order=auto, micro_batch_auto=cap is not None))
+    print(json.dumps(as_json(base, reports, capacity, costs, a.gpus_per_node), indent=2) if a.json else
+          as_table(base, reports, capacity, ranks, costs, order=auto, micro_batch_auto=cap is not None,
+                   gpus_per_node=a.gpus_per_node))
     return 0
 
 

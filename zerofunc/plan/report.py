@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from zerofunc.plan import MemoryLines, Plan, Simulation, simulate
+from zerofunc.plan.command import command, command_lines
 
 GiB = 2**30
 
@@ -171,7 +172,8 @@ EAGER_NOTE = ("planned eager (torch.compile off); python -m train compiles each 
               "train with --no-compile to run what was planned")
 
 
-def as_json(plan: Plan, reports: list[StageReport], capacity: int, costs: Optional[list] = None) -> dict:
+def as_json(plan: Plan, reports: list[StageReport], capacity: int, costs: Optional[list] = None,
+            gpus_per_node: Optional[int] = None) -> dict:
     best = recommend(reports)
     sizes = sorted({r.sim.plan.world_size for r in reports})
     return {
@@ -189,6 +191,7 @@ def as_json(plan: Plan, reports: list[StageReport], capacity: int, costs: Option
         "recommended_stage": best.sim.plan.stage if best else None,
         "recommended_world_size": best.sim.plan.world_size if best else None,
         "recommended": best.as_json() if best else None,
+        "recommended_command": command(best.sim.plan, gpus_per_node) if best else None,  # argv, or null
         "lever_costs": [{"lever": name, "without_it": r.as_json()} for name, r in costs or []],
         "compiled": False,  # see EAGER_NOTE
     }
@@ -208,9 +211,10 @@ def _rate(tokens_per_s: float) -> str:
 
 def as_table(plan: Plan, reports: list[StageReport], capacity: int, ranks: Optional[str] = None,
              costs: Optional[list[tuple[str, StageReport]]] = None, order: bool = False,
-             micro_batch_auto: bool = False) -> str:
+             micro_batch_auto: bool = False, gpus_per_node: Optional[int] = None) -> str:
     """`ranks` says which world sizes were planned (default: the plan's). `order` lists the plans
-    that fit first, the most tokens/s first (a lever search); else in the given order."""
+    that fit first, the most tokens/s first (a lever search); else in the given order. The
+    recommendation comes with the command that trains it (command.py)."""
     numel = reports[0].sim.numel
     if plan.params is None:
         mb = "micro-batch: the largest that fits" if micro_batch_auto else f"micro-batch {plan.micro_batch}"
@@ -246,7 +250,8 @@ def as_table(plan: Plan, reports: list[StageReport], capacity: int, ranks: Optio
         mb = f", micro-batch {b.micro_batch}" if micro_batch_auto and b.params is None else ""
         verdict = (f"recommended: stage {b.stage} on {b.world_size} ranks{levers}{mb} "
                    f"(the fewest ranks that fit; there, the most tokens/s)")
-    lines = [head, "", line(cols), *(line(row) for row in rows), "", verdict]
+    lines = [head, "", line(cols), *(line(row) for row in rows), "", verdict,
+             *(command_lines(best.sim.plan, gpus_per_node) if best is not None else [])]
     if best is not None and costs:
         lines.append("what its levers cost (the same plan with one lever off):")
         for name, without in costs:
