@@ -1,0 +1,327 @@
+"""python -m train.prepare (text into train.bin/val.bin/meta.json) and train/data.py reading it back."""
+from __future__ import annotations
+
+import json
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from tokenizers import Tokenizer, models
+
+from tests.tokenizer import EOS, train_tokenizer, word_tokenizer
+from train import prepare
+from train.data import (DataError, check_vocab, global_batch_starts, load_corpus, load_tokens, rank_batch,
+                        stdlib_files, val_batches)
+
+EDGE_DOCS = ["", "\n\n", "héllo wörld 🌍\r\n", f"text that spells {EOS} is text, not a boundary", " leading space"]
+
+
+@pytest.fixture(scope="module")
+def texts() -> list[str]:
+    """About 40 small standard-library sources: real text, present on every machine."""
+    small = [p for p in stdlib_files()[:200] if p.stat().st_size < 8000][:40]
+    return [p.read_text() for p in small]
+
+
+@pytest.fixture(scope="module")
+def tok(texts, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    train_tokenizer(path, texts)
+    return path
+
+
+def write_corpus(root: Path, docs: list[str], jsonl_from: int) -> list[str]:
+    """Documents [:jsonl_from] as plain files in nested directories, the rest as lines of a .jsonl file that
+    sorts after them; the argument that names them all."""
+    for i, doc in enumerate(docs[:jsonl_from]):
+        (root / f"d{i % 3}").mkdir(parents=True, exist_ok=True)
+        (root / f"d{i % 3}" / f"{i:04d}.txt").write_bytes(doc.encode())
+    (root / "z.jsonl").write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs[jsonl_from:])))
+    return [str(root)]
+
+
+def read_back(out: Path, tokenizer: Tokenizer) -> tuple[dict, dict[str, list[str]]]:
+    """meta.json, and each split's documents decoded (the ids between end-of-text ids)."""
+    meta = json.loads((out / "meta.json").read_text())
+    docs = {}
+    for name in ("train", "val"):
+        ids = np.fromfile(out / f"{name}.bin", dtype=meta["dtype"]).tolist()
+        assert len(ids) == meta[f"{name}_tokens"] and ids[-1] == meta["eos_id"]
+        cuts = [-1] + [i for i, t in enumerate(ids) if t == meta["eos_id"]]
+        docs[name] = [tokenizer.decode(ids[a + 1:b], skip_special_tokens=False) for a, b in zip(cuts, cuts[1:])]
+        assert len(docs[name]) == meta[f"{name}_documents"]
+    return meta, docs
+
+
+def run(argv, capsys) -> tuple[int, str]:
+    code = prepare.main([str(a) for a in argv])
+    return code, capsys.readouterr().err
+
+
+def test_round_trip_gives_back_every_document_once(tmp_path, tok, texts, capsys):
+    docs = EDGE_DOCS + texts
+    code, err = run(["--tokenizer", tok, "--out", tmp_path / "data", "--val-fraction", "0.1",
+                     *write_corpus(tmp_path / "src", docs, jsonl_from=30)], capsys)
+    assert code == 0, err
+    meta, split = read_back(tmp_path / "data", Tokenizer.from_file(str(tok)))
+    assert Counter(split["train"]) + Counter(split["val"]) == Counter(docs)
+    assert len(split["train"]) + len(split["val"]) == len(docs) and split["val"]
+    ids = np.concatenate([np.fromfile(tmp_path / "data" / f"{n}.bin", dtype=meta["dtype"]) for n in ("train", "val")])
+    assert meta["max_id"] == ids.max() and meta["vocab_size"] == 512 and meta["dtype"] == "uint16"
+    assert meta["eos_id"] == Tokenizer.from_file(str(tok)).token_to_id(EOS)
+
+
+@settings(max_examples=40, deadline=None)
+@given(docs=st.lists(st.text(max_size=60), min_size=2, max_size=12), fraction=st.floats(0.01, 0.99))
+def test_any_text_round_trips_in_whole_documents(tok, docs, fraction):
+    with tempfile.TemporaryDirectory() as tmp:
+        write_corpus(Path(tmp), docs, jsonl_from=len(docs) // 2)
+        meta = prepare.prepare(tok, Path(tmp) / "data", [tmp], val_fraction=fraction)
+        _, split = read_back(Path(tmp) / "data", Tokenizer.from_file(str(tok)))
+    assert Counter(split["train"]) + Counter(split["val"]) == Counter(docs)
+    assert meta["train_documents"] >= 1 and meta["val_documents"] >= 1
+
+
+@pytest.mark.parametrize("count,fraction,val", [(2, 1e-9, (1, 1)), (3, 1 - 1e-9, (1, 2)), (3000, 0.1, (240, 360))])
+def test_split_is_whole_documents_about_the_fraction_at_least_one_each(tmp_path, tok, count, fraction, val):
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(count)))
+    meta = prepare.prepare(tok, tmp_path / "data", [str(tmp_path / "docs.jsonl")], val_fraction=fraction)
+    assert val[0] <= meta["val_documents"] <= val[1] and meta["train_documents"] == count - meta["val_documents"]
+
+
+def test_output_is_deterministic_and_independent_of_batching(tmp_path, tok, texts, monkeypatch):
+    src = write_corpus(tmp_path / "src", EDGE_DOCS + texts, jsonl_from=20)
+    prepare.prepare(tok, tmp_path / "a", src, val_fraction=0.2)
+    prepare.prepare(tok, tmp_path / "b", src, val_fraction=0.2)
+    monkeypatch.setattr(prepare, "BATCH_BYTES", 1000)  # many batches: document indices must run on across them
+    prepare.prepare(tok, tmp_path / "c", src, val_fraction=0.2)
+    for name in ("train.bin", "val.bin", "meta.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes() \
+            == (tmp_path / "c" / name).read_bytes(), name
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["meta.json", "train.bin", "val.bin"]
+
+
+@pytest.mark.parametrize("words,dtype", [(65534, "uint16"), (65535, "uint32"), (70000, "uint32")])
+def test_ids_past_uint16_are_written_as_uint32(tmp_path, words, dtype):
+    tokenizer = word_tokenizer(tmp_path / "tok.json", words)  # words + [UNK] + EOS entries
+    (tmp_path / "a.txt").write_text(f"w{words - 1} w7 w{words - 2}")
+    (tmp_path / "b.txt").write_text("w0 unknown")
+    meta = prepare.prepare(tmp_path / "tok.json", tmp_path / "data", [str(tmp_path / "a.txt"), str(tmp_path / "b.txt")])
+    assert meta["dtype"] == dtype and meta["vocab_size"] == words + 2 and meta["max_id"] == words + 1
+    ids = np.concatenate([np.fromfile(tmp_path / "data" / f"{n}.bin", dtype=dtype) for n in ("train", "val")])
+    assert sorted(ids.tolist()) == sorted([words - 1, 7, words - 2, words + 1, 0, words, words + 1])
+    assert tokenizer.token_to_id(EOS) == words + 1
+
+
+def test_no_doubled_bos_from_a_post_processor_that_adds_one(tmp_path, texts):
+    tokenizer = train_tokenizer(tmp_path / "tok.json", texts[:5], bos="<|begin_of_text|>")
+    assert tokenizer.encode("x").ids[0] == tokenizer.token_to_id("<|begin_of_text|>")  # the processor adds it
+    meta = prepare.prepare(tmp_path / "tok.json", tmp_path / "data", write_corpus(tmp_path / "src", texts[:6], 3))
+    _, split = read_back(tmp_path / "data", tokenizer)
+    assert Counter(split["train"] + split["val"]) == Counter(texts[:6])
+    assert meta["eos_id"] != tokenizer.token_to_id("<|begin_of_text|>")
+    for name in ("train", "val"):
+        assert tokenizer.token_to_id("<|begin_of_text|>") not in np.fromfile(tmp_path / "data" / f"{name}.bin", "uint16")
+
+
+def test_a_truncation_setting_in_tokenizer_json_cuts_nothing(tmp_path, tok, texts):
+    tokenizer = Tokenizer.from_file(str(tok))
+    tokenizer.enable_truncation(max_length=4)
+    tokenizer.save(str(tmp_path / "tok.json"))
+    prepare.prepare(tmp_path / "tok.json", tmp_path / "data", write_corpus(tmp_path / "src", texts[:4], 4))
+    _, split = read_back(tmp_path / "data", Tokenizer.from_file(str(tok)))
+    assert Counter(split["train"] + split["val"]) == Counter(texts[:4])
+
+
+def test_a_directory_walk_leaves_out_hidden_files_and_the_output(tmp_path, tok):
+    src = write_corpus(tmp_path / "src", ["one", "two", "three"], jsonl_from=2)
+    _file(tmp_path / "src" / ".git" / "objects" / "ab", b"\x78\x9c binary")
+    _file(tmp_path / "src" / ".notes.txt", b"hidden")
+    first = prepare.prepare(tok, tmp_path / "src" / "data", src)
+    again = prepare.prepare(tok, tmp_path / "src" / "data", src)  # the first run's output lies under src/ now
+    assert first == again and first["train_documents"] + first["val_documents"] == 3
+
+
+@pytest.mark.parametrize("specials,flag,expected", [(["</s>"], None, "</s>"), (["<|end_of_text|>"], None, "<|end_of_text|>"),
+                                                     (["<|im_end|>", "<|endoftext|>"], None, "<|endoftext|>"),
+                                                     (["<|im_end|>", "<|endoftext|>"], "<|im_end|>", "<|im_end|>")])
+def test_end_of_text_found_by_its_usual_names_or_named(specials, flag, expected):
+    tokenizer = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    tokenizer.add_special_tokens(specials)
+    assert prepare.find_eos(tokenizer, flag, "t.json") == tokenizer.token_to_id(expected)
+
+
+# --- bad input: one line, exit 2, nothing written -----------------------------------------------------------
+
+def _bad_tokenizer(tmp: Path, text: str | None) -> Path:
+    path = tmp / "bad.json"
+    if text is None:
+        Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(path))
+    else:
+        path.write_text(text)
+    return path
+
+
+BAD = {  # name: (what the case changes, given the tmp directory; words of the error). Unchanged: --tokenizer
+    # the good one, --out a new directory, and the inputs src/; a bad document comes after src/'s, with a
+    # previous run's output in data/ that must stay intact.
+    "tokenizer missing": (lambda t: dict(tokenizer=t / "no.json"), "does not exist"),
+    "tokenizer a directory": (lambda t: dict(tokenizer=t), "is a directory"),
+    "tokenizer not JSON": (lambda t: dict(tokenizer=_bad_tokenizer(t, "{not json")), "not a valid tokenizer"),
+    "tokenizer other JSON": (lambda t: dict(tokenizer=_bad_tokenizer(t, '{"a": 1}')), "not a valid tokenizer"),
+    "no end of text": (lambda t: dict(tokenizer=_bad_tokenizer(t, None)), "--eos"),
+    "--eos not a token": (lambda t: dict(extra=["--eos", "<nope>"]), "is not a token"),
+    "input missing": (lambda t: dict(inputs=[t / "src", t / "nothing"]), "does not exist"),
+    "no documents": (lambda t: dict(inputs=[_file(t / "empty" / "x.jsonl", b"\n \n")]), "no documents"),
+    "one document": (lambda t: dict(inputs=[_file(t / "one.txt", b"x")]), "found 1 document"),
+    "fraction 0": (lambda t: dict(extra=["--val-fraction", "0"]), "(0, 1)"),
+    "fraction 1": (lambda t: dict(extra=["--val-fraction", "1"]), "(0, 1)"),
+    "fraction nan": (lambda t: dict(extra=["--val-fraction", "nan"]), "(0, 1)"),
+    "fraction a word": (lambda t: dict(extra=["--val-fraction", "half"]), "invalid float"),
+    "unknown flag": (lambda t: dict(extra=["--bogus"]), "unrecognized arguments"),
+    "no --out": (lambda t: dict(out=None), "required: --out"),
+    "out a file": (lambda t: dict(out=_file(t / "f", b"")), "cannot be written"),
+    "out under a file": (lambda t: dict(out=_file(t / "f", b"") / "sub"), "cannot be written"),
+    "jsonl not JSON": (lambda t: _late(t, "z.jsonl", b'{"text": "a"}\n\n{"te'), "z.jsonl line 3 is not JSON"),
+    "jsonl no text": (lambda t: _late(t, "z.jsonl", b'{"text": "a"}\n{"t": "b"}\n'), "z.jsonl line 2"),
+    "jsonl text a number": (lambda t: _late(t, "z.jsonl", b'{"text": 5}\n'), "z.jsonl line 1"),
+    "jsonl a list": (lambda t: _late(t, "z.jsonl", b"[1]\n"), "z.jsonl line 1"),
+    "jsonl surrogate": (lambda t: _late(t, "z.jsonl", b'{"text": "a\\ud800"}\n'), "line 1: its text holds a lone surrogate"),
+    "jsonl not UTF-8": (lambda t: _late(t, "z.jsonl", b'{"text": "\xff"}\n'), "z.jsonl line 1 is not UTF-8"),
+    "file not UTF-8": (lambda t: _late(t, "z.txt", b"ok \xc3\x28"), "z.txt is not UTF-8"),
+}
+
+
+def _file(path: Path, data: bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+def _late(tmp: Path, name: str, data: bytes) -> dict:
+    """A bad document after the good ones, into the directory a previous run wrote."""
+    return dict(inputs=[tmp / "src", _file(tmp / "late" / name, data)], out=tmp / "data")
+
+
+def _tree(root: Path) -> dict:
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_bad_input_is_one_line_exit_2_and_leaves_the_output_as_it_was(name, tmp_path, tok, capsys, monkeypatch):
+    prepare.prepare(tok, tmp_path / "data", write_corpus(tmp_path / "src", ["first", "second", "third"], 3))
+    monkeypatch.setattr(prepare, "BATCH_BYTES", 1)  # so that batches are written before a late bad document
+    make, words = BAD[name]
+    case = dict(tokenizer=tok, out=tmp_path / "new", inputs=[tmp_path / "src"], extra=[]) | make(tmp_path)
+    args = ["--tokenizer", case["tokenizer"], *(["--out", case["out"]] if case["out"] else []), *case["extra"],
+            *case["inputs"]]
+    before = _tree(tmp_path)
+    code, err = run(args, capsys)
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert words in err and "Traceback" not in err, err
+    assert _tree(tmp_path) == before  # no partial or temporary files, no new directory, old output intact
+
+
+# --- train/data.py: a DATA_DIR as --data ---------------------------------------------------------------------
+
+def old_rank_batch(tokens, step, micro_batch, world_size, rank, seq, seed, grad_accum=1, micro_step=0):
+    """rank_batch as it was before data directories (commit cad751b): the byte path must not change."""
+    size = micro_batch * world_size * grad_accum
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(0, len(tokens) - seq, (size,), generator=gen)
+    lo = (micro_step * world_size + rank) * micro_batch
+    rows = torch.stack([tokens[s:s + seq + 1] for s in starts[lo:lo + micro_batch].tolist()]).long()
+    return rows[:, :-1], rows[:, 1:], (seed << 40) + (step - 1) * size + torch.arange(lo, lo + micro_batch)
+
+
+def test_byte_corpus_batches_are_unchanged(tmp_path, texts):
+    (tmp_path / "bytes.txt").write_text("".join(texts))
+    corpus = load_corpus(str(tmp_path / "bytes.txt"), 16)
+    assert corpus.vocab_size == 256 and corpus.val is None and corpus.eos_id is None and corpus.train.dtype == torch.uint8
+    assert torch.equal(load_tokens(str(tmp_path / "bytes.txt"), 16), corpus.train)
+    for step, world, rank, accum, micro, seed in [(1, 1, 0, 1, 0, 0), (7, 3, 2, 2, 1, 5), (100, 2, 1, 4, 3, 1)]:
+        new = rank_batch(corpus, step, 4, world, rank, 16, seed, accum, micro)
+        for a, b in zip(new, old_rank_batch(corpus.train, step, 4, world, rank, 16, seed, accum, micro)):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.fixture()
+def data_dir(tmp_path, tok, texts) -> Path:
+    prepare.prepare(tok, tmp_path / "data", write_corpus(tmp_path / "src", texts, 20), val_fraction=0.2)
+    return tmp_path / "data"
+
+
+def test_data_dir_windows_come_from_the_memory_map(data_dir):
+    corpus = load_corpus(str(data_dir), 32)
+    assert isinstance(corpus.train, np.memmap) and not corpus.train.flags.writeable and corpus.eos_id == 0
+    x, y, _ = rank_batch(corpus, 3, 2, 2, 1, 32, 9, grad_accum=2, micro_step=1)
+    starts = global_batch_starts(len(corpus.train), 3, 8, 32, 9)[6:8].tolist()
+    want = torch.tensor(np.stack([corpus.train[s:s + 33] for s in starts]).astype(np.int64))
+    assert x.dtype == torch.int64 and torch.equal(x, want[:, :-1]) and torch.equal(y, want[:, 1:])
+
+
+def test_check_vocab_names_the_id_and_the_vocabulary(data_dir):
+    corpus = load_corpus(str(data_dir), 32)
+    check_vocab(corpus, corpus.max_id + 1)
+    with pytest.raises(DataError, match=rf"token id {corpus.max_id}\b.*vocabulary of {corpus.max_id}\b") as e:
+        check_vocab(corpus, corpus.max_id)
+    assert "\n" not in str(e.value)
+    (data_dir / "bytes.txt").write_bytes(bytes(range(200)))
+    check_vocab(load_corpus(str(data_dir / "bytes.txt"), 32), 200)  # bytes: the largest byte present counts
+    with pytest.raises(DataError, match="token id 199, beyond the model's vocabulary of 199"):
+        check_vocab(load_corpus(str(data_dir / "bytes.txt"), 32), 199)
+
+
+def test_val_batches_are_fixed_and_rank_rows_partition_the_global_batch(data_dir):
+    corpus = load_corpus(str(data_dir), 16)
+    whole = val_batches(corpus, 3, 6, 1, 0, 16)
+    again = val_batches(corpus, 3, 6, 1, 0, 16)
+    for world in (2, 3):
+        parts = [val_batches(corpus, 3, 6 // world, world, r, 16) for r in range(world)]
+        for b in range(3):
+            for i in (0, 1):
+                assert torch.equal(torch.cat([p[b][i] for p in parts]), whole[b][i])
+    assert all(torch.equal(a, b) for (x1, y1), (x2, y2) in zip(whole, again) for a, b in ((x1, x2), (y1, y2)))
+    assert all(torch.equal(x[:, 1:], y[:, :-1]) for x, y in whole)
+    starts = {tuple(x[j].tolist()) for x, _ in whole for j in range(6)}
+    assert len(starts) == 18  # distinct windows, spread over the held-out tokens
+    (data_dir / "bytes.txt").write_bytes(bytes(range(200)))
+    with pytest.raises(DataError, match="no validation tokens"):
+        val_batches(load_corpus(str(data_dir / "bytes.txt"), 16), 1, 1, 1, 0, 16)
+    with pytest.raises(DataError, match="fewer than one sequence"):
+        val_batches(corpus, 1, 1, 1, 0, len(corpus.val))
+
+
+BROKEN = {  # name: (what spoils a good data directory, words of the error)
+    "no meta.json": (lambda d: (d / "meta.json").unlink(), "no meta.json"),
+    "meta.json not JSON": (lambda d: (d / "meta.json").write_text("{"), "cannot be read"),
+    "meta.json a list": (lambda d: (d / "meta.json").write_text("[]"), "not a JSON object"),
+    "dtype unknown": (lambda d: _edit_meta(d, dtype="int8"), "dtype must be"),
+    "max_id negative": (lambda d: _edit_meta(d, max_id=-1), "max_id must be"),
+    "count a bool": (lambda d: _edit_meta(d, train_tokens=True), "train_tokens must be"),
+    "no train.bin": (lambda d: (d / "train.bin").unlink(), "no train.bin"),
+    "dtype disagrees": (lambda d: _edit_meta(d, dtype="uint32"), "train.bin has"),
+    "train.bin cut short": (lambda d: (d / "train.bin").write_bytes((d / "train.bin").read_bytes()[:-2]), "train.bin has"),
+    "val.bin of another run": (lambda d: (d / "val.bin").write_bytes(b"\0\0" * 3), "val.bin has"),
+    "train shorter than a window": (lambda d: _edit_meta(d, train_tokens=10) or (d / "train.bin").write_bytes(b"\0" * 20),
+                                    "fewer than one sequence"),
+}
+
+
+@pytest.mark.parametrize("name", BROKEN)
+def test_a_broken_data_directory_is_one_line(data_dir, name):
+    spoil, words = BROKEN[name]
+    spoil(data_dir)
+    with pytest.raises(DataError, match=words) as e:
+        load_corpus(str(data_dir), 32)
+    assert "\n" not in str(e.value)
+
+
+def _edit_meta(d: Path, **fields) -> None:
+    meta = json.loads((d / "meta.json").read_text())
+    (d / "meta.json").write_text(json.dumps(meta | fields))
+
