@@ -9,7 +9,17 @@ against one device at the same weights, within the budgets tests/rounding.py der
   computes (bit for bit the engine's local gradients: the same ops on the same values),
   within what summing those terms in another order may change;
 - the update, against exact (fp64) AdamW from the engine's own weights, moments and reduced
-  gradient, within what an fp32 AdamW may change.
+  gradient, within what an fp32 AdamW may change;
+- the loss train_step logs, against the exact mean of one device's micro-batch losses.
+
+The loss is the global batch's token mean (zerofunc/step.py): one device counts the targets of
+the whole global batch itself, by Hugging Face's rule (labels shifted by one; -100 not counted),
+and gives each micro-batch's summed loss that count / (N * grad_accum) as `num_items_in_batch`,
+the value the engine must pass for the same ops to run on the same values. The exact mean of the
+micro-batch terms is then (sum of every counted token's loss) / (global count), the one-device
+global-batch loss and gradient, up to the one rounding of that normalizer (a factor within
+gamma(3) of 1 on the whole step, the same on every term). A model whose forward takes no
+`num_items_in_batch` keeps its own loss, on both sides.
 
 A budget per step, not one tolerance over a run: AdamW divides by sqrt(v) + eps, so where a
 gradient nearly cancels it turns summation-order rounding into an lr-sized step. Two correct
@@ -20,6 +30,8 @@ catch a bug or too tight for a correct run. Needs only torch (no hypothesis).
 """
 from __future__ import annotations
 
+import inspect
+import math
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +40,7 @@ import torch.nn as nn
 
 from tests.rounding import adamw_exact_and_budget, clip_factor, clip_factor_error, reduction_budget
 from zerofunc.optim import AdamWConfig
-from zerofunc.step import loss_of
+from zerofunc.step import loss_of, train_step
 
 
 @dataclass
@@ -47,28 +59,53 @@ class Step:
     lr: float                         # the step's learning rate (a schedule's, if the engine has one)
     clip: float
     norm_terms: int                   # how many squares the engine's gradient norm sums
+    loss: float                       # what train_step returned: the global batch's loss
 
 
-def loss(model, batch) -> torch.Tensor:
-    """The model's loss on a micro-batch: its positional arguments (a tuple) or keyword ones (a dict)."""
-    return loss_of(model(**batch) if isinstance(batch, dict) else model(*batch))
+def loss(model, batch, num_items: torch.Tensor | None = None) -> torch.Tensor:
+    """The model's loss on a micro-batch: its positional arguments (a tuple) or keyword ones (a dict),
+    with `num_items_in_batch` when given."""
+    extra = {} if num_items is None else {"num_items_in_batch": num_items}
+    return loss_of(model(**batch, **extra) if isinstance(batch, dict) else model(*batch, **extra))
 
 
 def record_step(engine, mine: list, everyone: list) -> Step:
-    """One optimizer step of `engine` over this rank's micro-batches `mine`, recorded; `everyone` is
-    the step's micro-batches of all ranks."""
+    """One optimizer step of `engine` through `train_step` (as the trainer runs it) over this rank's
+    micro-batches `mine`, recorded; `everyone` is the step's micro-batches of all ranks."""
     params, (m, v) = engine.full_parameters(), engine.full_moments()
-    for i, batch in enumerate(mine):
-        engine.backward(loss(engine, batch))
-        if i + 1 < len(mine):  # as DeepSpeed's users call it: step() after every micro-step, a no-op before the last
-            assert not engine.step(), "the engine stepped before the accumulation boundary"
-    grads = engine.full_gradients()
-    assert engine.step(), "the engine skipped the step"
+    grads, taken, stepped = {}, [], engine.step
+
+    def step(lr=None):  # train_step's call at the boundary: the reduced gradients first
+        grads.update(engine.full_gradients())
+        taken.append(stepped(lr))
+        return taken[-1]
+
+    engine.step = step
+    try:
+        logged = train_step(engine, mine).item()
+    finally:
+        del engine.step
+    assert taken == [True], ("the engine skipped the step: its gradients were not finite" if taken == [False]
+                             else f"the engine was asked to step {len(taken)} times, not once")
     terms = sum(u.layout.padded_numel for u in engine.units) + len(engine.units) + engine.comm.world_size
     opt = engine.optimizer
     lr = opt.lr_schedule(opt.step_count) if opt.lr_schedule is not None else engine.optim.lr
     return Step(opt.step_count, params, m, v, grads, engine.full_parameters(), list(everyone),
-                engine.grad_accum, engine.optim, lr, opt.clip, terms)
+                engine.grad_accum, engine.optim, lr, opt.clip, terms, logged)
+
+
+def ignore_some(targets: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Targets as fine-tuning data has them: each row's first 0..T targets ignored (-100, a masked
+    prompt) and 0..(the rest) of its last (padding), drawn from `gen`, so rows, micro-batches and ranks
+    count different numbers of targets, some none. The last target of one row always counts (a step
+    whose only counted targets sat at position 0 would give attention's queries and keys no gradient)."""
+    rows, T = targets.shape
+    prompt = torch.randint(0, T + 1, (rows,), generator=gen)
+    pad = (torch.rand(rows, generator=gen, dtype=torch.float64) * (T + 1 - prompt)).long()  # 0..T - prompt
+    pos = torch.arange(T)
+    ignored = (pos < prompt[:, None]) | (pos >= T - pad[:, None])
+    ignored[torch.randint(0, rows, (), generator=gen), -1] = False
+    return targets.masked_fill(ignored, -100)
 
 
 def agreed_max(x: float) -> float:
@@ -78,24 +115,46 @@ def agreed_max(x: float) -> float:
     return t.item()
 
 
+def counted(batch) -> int:
+    """The targets of a micro-batch a causal LM's loss counts: those not -100, of our models' targets
+    as given, of Hugging Face's labels after their shift by one."""
+    targets = batch["labels"][..., 1:] if isinstance(batch, dict) else batch[1]
+    return int((targets != -100).sum())
+
+
+def normalizer(reference: nn.Module, step: Step) -> torch.Tensor | None:
+    """What one device divides each micro-batch's summed loss by: the global batch's count (at least 1)
+    / (N * grad_accum), in fp32; None for a model whose forward takes no `num_items_in_batch`."""
+    params = inspect.signature(reference.forward).parameters.values()
+    if not any(p.name == "num_items_in_batch" or p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    count = sum(counted(batch) for batch in step.everyone)
+    return torch.tensor(float(max(count, 1)), dtype=torch.float32) / len(step.everyone)
+
+
 def one_device_gradients(reference: nn.Module, step: Step):
     """At the weights the engine had before `step`, one device's fp32 gradient of each micro-batch's
-    loss / grad_accum (as the engine backpropagates it); their exact sum / N and sum of |.| / N."""
+    loss / grad_accum (as the engine backpropagates it); their exact sum / N and sum of |.| / N; and
+    the micro-batch losses' exact sum / (N * grad_accum) and sum of |.| / (N * grad_accum)."""
     world = len(step.everyone) // step.grad_accum
     with torch.no_grad():
         for name, p in reference.named_parameters():
             p.copy_(step.params[name])
     mean = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in reference.named_parameters()}
     abs_mean = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in reference.named_parameters()}
+    losses = []
     scale = 1.0 / step.grad_accum
+    num_items = normalizer(reference, step)
     for batch in step.everyone:
         reference.zero_grad(set_to_none=True)
-        value = loss(reference, batch)
+        value = loss(reference, batch, num_items)
         (value * scale if scale != 1.0 else value).backward()
         for n, p in reference.named_parameters():
             mean[n] += p.grad.double() / world
             abs_mean[n] += p.grad.double().abs() / world
-    return mean, abs_mean
+        losses.append(value.item())
+    terms = len(losses)  # fsum: the exact sum, then one fp64 rounding
+    return mean, abs_mean, math.fsum(losses) / terms, math.fsum(map(abs, losses)) / terms
 
 
 def ratio(diff: torch.Tensor, budget: torch.Tensor) -> float:
@@ -109,8 +168,13 @@ def check_steps(reference: nn.Module, steps: list[Step], what: str) -> float:
     fraction of a budget used."""
     used = 0.0
     for step in steps:
-        mean, abs_mean = one_device_gradients(reference, step)
+        mean, abs_mean, loss_mean, loss_abs_mean = one_device_gradients(reference, step)
         terms = len(step.everyone)
+        # the logged loss: every rank's micro-step losses summed, / grad_accum, averaged over ranks
+        l_ratio = agreed_max(ratio(torch.tensor(abs(step.loss - loss_mean), dtype=torch.float64),
+                                   reduction_budget(torch.tensor(loss_abs_mean, dtype=torch.float64), terms)))
+        assert l_ratio <= 1.0, (f"{what}, step {step.number}: the logged loss {step.loss!r} is {l_ratio:.3g} x its "
+                                f"rounding budget away from one device's global-batch loss {loss_mean!r}")
         worst = {n: ratio((step.grads[n].double() - mean[n]).abs(), reduction_budget(abs_mean[n], terms)) for n in mean}
         name = max(worst, key=worst.get)
         g_ratio = agreed_max(worst[name])
@@ -129,5 +193,5 @@ def check_steps(reference: nn.Module, steps: list[Step], what: str) -> float:
         p_ratio = agreed_max(worst[name])
         assert p_ratio <= 1.0, (f"{what}, step {step.number}: the update is {p_ratio:.3g} x its rounding budget away "
                                 f"from exact AdamW on the engine's own state (worst here: {name} {worst[name]:.3g})")
-        used = max(used, g_ratio, p_ratio)
+        used = max(used, g_ratio, p_ratio, l_ratio)
     return used

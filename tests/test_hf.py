@@ -1,5 +1,7 @@
 """Hugging Face's GPT2LMHeadModel (tied head, its own ModuleList of blocks) and LlamaForCausalLM (grouped-query
-attention, untied head, odd widths) train through zerofunc.initialize exactly like one device. Runs where
+attention, untied head, odd widths) train through zerofunc.initialize exactly like one device. Their labels carry
+ignored positions (-100) that count differently on each rank and micro-step, and one global batch counts none:
+the loss is the global batch's token mean, which reaches their loss through `num_items_in_batch`. Runs where
 transformers is installed (the test extras install it)."""
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import pytest
 import torch
 
 from tests.bare import in_world
-from tests.steps import check_steps, record_step
+from tests.steps import check_steps, ignore_some, record_step
 
 transformers = pytest.importorskip("transformers")
 
@@ -32,17 +34,20 @@ def hf_four_lines(stage: int, family: str):
     torch.manual_seed(0)
     model = hf_model(family)
     reference = copy.deepcopy(model)
-    engine = zerofunc.initialize(model, {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+    engine = zerofunc.initialize(model, {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
+                                         "zero_optimization": {"stage": stage},
                                          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95],
                                                                                    "eps": 1e-5, "weight_decay": 0.1}}})
     rank, world = engine.comm.rank, engine.comm.world_size
     gen = torch.Generator().manual_seed(1)
     steps = []
-    for _ in range(3):
+    for i in range(3):
         ids = torch.randint(0, 53, (2 * world, 11), generator=gen)
-        everyone = [{"input_ids": ids[2 * r:2 * r + 2], "labels": ids[2 * r:2 * r + 2]} for r in range(world)]
-        steps.append(record_step(engine, everyone[rank:rank + 1], everyone))
+        labels = ignore_some(ids, gen) if i != 1 else torch.full_like(ids, -100)  # step 2 counts no label
+        everyone = [{"input_ids": ids[j:j + 1], "labels": labels[j:j + 1]} for j in range(2 * world)]
+        steps.append(record_step(engine, everyone[rank::world], everyone))  # micro-step j of rank r: j*N + r
     check_steps(reference, steps, f"{family} stage {stage}")
+    assert steps[1].loss == 0.0, f"{family} stage {stage}: a global batch of no counted label lost {steps[1].loss}"
     return [u.name for u in engine.units]
 
 

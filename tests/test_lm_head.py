@@ -38,17 +38,41 @@ def grads(loss_fn, h, w, scale):
 
 
 @SETTINGS
-@given(heads(), st.booleans())
-def test_loss_and_gradients_equal_torch_cross_entropy(head, recompute):
+@given(heads(), st.booleans(), st.one_of(st.none(), st.floats(0.25, 64.0)))
+def test_loss_and_gradients_equal_torch_cross_entropy(head, recompute, num_items):
+    """The token mean, or with num_items_in_batch (Hugging Face's convention) the summed loss / it."""
     h, w, t, scale = head
     op = LinearCrossEntropy()
     op.recompute = recompute
-    ours = grads(lambda h, w: op(h.float(), w.float(), t), h, w, scale)
-    ref = grads(lambda h, w: F.cross_entropy(F.linear(h, w), t, ignore_index=IGNORE_INDEX), h, w, scale)
+    n = None if num_items is None else torch.tensor(num_items, dtype=torch.float32)
+    ours = grads(lambda h, w: op(h.float(), w.float(), t, n), h, w, scale)
+
+    def ref_loss(h, w):
+        if n is None:
+            return F.cross_entropy(F.linear(h, w), t, ignore_index=IGNORE_INDEX)
+        return F.cross_entropy(F.linear(h, w), t, ignore_index=IGNORE_INDEX, reduction="sum") / n.double()
+
+    ref = grads(ref_loss, h, w, scale)
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-6)
     with torch.no_grad():  # evaluation takes the same loss
-        torch.testing.assert_close(op(h.float(), w.float(), t), ours[0], rtol=0, atol=0)
+        torch.testing.assert_close(op(h.float(), w.float(), t, n), ours[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_normalizer_given_makes_no_target_counted_a_zero_loss(recompute):
+    """Every target ignored: its own count would give 0 / 0; a normalizer from elsewhere (the global
+    batch's) gives a loss of 0 and zero gradients, in training and in evaluation."""
+    gen = torch.Generator().manual_seed(0)
+    h, w = torch.randn(5, 3, generator=gen), torch.randn(40, 3, generator=gen)
+    t = torch.full((5,), IGNORE_INDEX)
+    op = LinearCrossEntropy()
+    op.recompute = recompute
+    loss, gh, gw = grads(lambda h, w: op(h, w, t, torch.tensor(0.5)), h, w, 1.0)
+    assert loss.item() == 0.0 and not gh.any() and not gw.any()
+    with torch.no_grad():
+        assert op(h, w, t, 0.5).item() == 0.0
+    assert op(h, w, t).isnan()  # the token mean of no token
 
 
 @SETTINGS

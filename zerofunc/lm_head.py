@@ -68,8 +68,7 @@ def _forward_chunks(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, targets, valid, rows, recompute):
-        count = valid.sum()
+    def forward(ctx, h, weight, targets, valid, count, rows, recompute):
         loss, ctx.kept = _forward_chunks(h, weight, targets, valid, rows, keep=not recompute)
         ctx.rows = rows
         ctx.save_for_backward(h, weight, targets, valid, count)
@@ -93,27 +92,34 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 torch.mm(d, weight, out=grad_h[s:e])
             if ctx.needs_input_grad[1]:
                 grad_w = d.t() @ h[s:e] if grad_w is None else grad_w.addmm_(d.t(), h[s:e])
-        return grad_h, grad_w, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None
 
 
 class LinearCrossEntropy(nn.Module):
     """`F.cross_entropy(F.linear(hidden, weight).float(), targets)` (mean over counted tokens),
     computed chunk by chunk; with `recompute` on, backward recomputes the logits instead of
     keeping the gradient. It has no parameters: the weight is passed in, so a head tied to the
-    embedding stays tied."""
+    embedding stays tied.
+
+    `num_items_in_batch` (Hugging Face's convention, a number or a scalar tensor) divides the
+    summed loss in place of this call's own count of targets: with the global batch's count
+    (zerofunc/step.py), every micro-batch's tokens weigh the same, however many each counts."""
 
     def __init__(self):
         super().__init__()
         self.recompute = False
 
-    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                num_items_in_batch: torch.Tensor | float | None = None) -> torch.Tensor:
         h, t = hidden.flatten(0, -2), targets.flatten()
         valid = (t != IGNORE_INDEX).float()
+        count = valid.sum() if num_items_in_batch is None else torch.as_tensor(
+            num_items_in_batch, dtype=torch.float32, device=h.device)
         rows = chunk_rows(h.shape[0], weight.shape[0], weight.shape[1])
         if not (torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)):
             with torch.no_grad():  # evaluation: the loss alone
-                return _forward_chunks(h, weight, t, valid, rows, keep=False)[0] / valid.sum()
-        return _LinearCrossEntropy.apply(h, weight, t, valid, rows, self.recompute)
+                return _forward_chunks(h, weight, t, valid, rows, keep=False)[0] / count
+        return _LinearCrossEntropy.apply(h, weight, t, valid, count, rows, self.recompute)
 
     def extra_repr(self) -> str:
         return f"recompute={self.recompute}"

@@ -131,9 +131,12 @@ class GPT(nn.Module):
         self.loss = LinearCrossEntropy()  # the head's logits and loss, chunk by chunk
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                sample_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits, or the mean cross-entropy over all tokens when `targets` is given.
+                sample_ids: torch.Tensor | None = None,
+                num_items_in_batch: torch.Tensor | float | None = None) -> torch.Tensor:
+        """Logits, or the mean cross-entropy over the counted targets (not -100) when `targets` is given.
 
+        `num_items_in_batch` (Hugging Face's convention) divides the summed loss instead of this
+        batch's own count: zerofunc/step.py passes the global batch's, so ranks train like one device.
         `sample_ids` name each row's global sample; dropout (when on) seeds by them.
         """
         T = idx.shape[1]
@@ -147,7 +150,7 @@ class GPT(nn.Module):
         x = self.ln_f(x)
         if targets is None:
             return F.linear(x, head)
-        return self.loss(x, head, targets)  # in fp32 whatever the compute dtype
+        return self.loss(x, head, targets, num_items_in_batch)  # in fp32 whatever the compute dtype
 
     def shard_units(self) -> list[str]:
         """Submodules that stage 3 gathers one at a time: the transformer blocks."""

@@ -223,9 +223,12 @@ class Llama(nn.Module):
         self.loss = LinearCrossEntropy()  # the head's logits and loss, chunk by chunk
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                sample_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits, or the mean cross-entropy over all tokens when `targets` is given.
+                sample_ids: torch.Tensor | None = None,
+                num_items_in_batch: torch.Tensor | float | None = None) -> torch.Tensor:
+        """Logits, or the mean cross-entropy over the counted targets (not -100) when `targets` is given.
 
+        `num_items_in_batch` (Hugging Face's convention) divides the summed loss instead of this
+        batch's own count: zerofunc/step.py passes the global batch's, so ranks train like one device.
         `sample_ids` is accepted for the trainer's common call and unused: the family has no dropout.
         """
         T = idx.shape[1]
@@ -241,7 +244,7 @@ class Llama(nn.Module):
         x = self.model.norm(x)
         if targets is None:
             return F.linear(x, head)
-        return self.loss(x, head, targets)
+        return self.loss(x, head, targets, num_items_in_batch)
 
     def shard_units(self) -> list[str]:
         """Submodules that stage 3 gathers one at a time: the decoder layers."""
