@@ -1,11 +1,17 @@
-"""python -m zerofunc.consolidate DIR out.safetensors: a checkpoint's full fp32 weights, in one file.
+"""python -m zerofunc.consolidate: a checkpoint's full weights, as one file or as a Hugging Face model directory.
 
-DIR is a checkpoint directory or a run directory (its newest checkpoint is used). The
-file loads into the plain model: model.load_state_dict(safetensors.torch.load_file(out)).
+    python -m zerofunc.consolidate CKPT out.safetensors
+    python -m zerofunc.consolidate CKPT OUT_DIR --hf [--dtype bf16|fp16|fp32] [--max-shard-size 5GB]
+                                   [--tokenizer PATH] [--model SPEC]
+
+CKPT is a checkpoint directory or a run directory (its newest checkpoint is used). The single
+file holds the fp32 masters under the model's own names and loads into the plain model:
+model.load_state_dict(safetensors.torch.load_file(out)). With --hf, OUT_DIR becomes a
+directory that `AutoModelForCausalLM.from_pretrained(OUT_DIR)` loads, written tensor by tensor
+(zerofunc/hf_export.py). Bad input is one line `error: ...` and exit 2, with nothing written.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -13,27 +19,63 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from zerofunc.checkpoint_files import CheckpointError, consolidated
+from zerofunc.hf_export import ExportError, export, parse_dtype, parse_size
+from zerofunc.usage import ArgumentParser, UsageError
+
+HF_ONLY = ("dtype", "max_shard_size", "tokenizer", "model")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m zerofunc.consolidate", description=__doc__.splitlines()[0])
+def parse(argv: list[str] | None):
+    p = ArgumentParser(prog="python -m zerofunc.consolidate", description=__doc__.splitlines()[0])
     p.add_argument("checkpoint", help="a checkpoint directory, or a run directory")
-    p.add_argument("out", help="the .safetensors file to write")
+    p.add_argument("out", help="the .safetensors file to write; with --hf, the model directory")
+    p.add_argument("--hf", action="store_true", help="write a Hugging Face model directory")
+    p.add_argument("--dtype", default=None, help="with --hf: fp32 (the masters; default), bf16 or fp16")
+    p.add_argument("--max-shard-size", default=None,
+                   help="with --hf: the largest weight file, as Hugging Face writes it: 5GB (default), 500MB, 1.5GiB")
+    p.add_argument("--tokenizer", default=None,
+                   help="with --hf: a tokenizer.json, or a directory holding one; copied with the tokenizer files "
+                        "beside it")
+    p.add_argument("--model", default=None,
+                   help="with --hf: the model (a preset, a config.json, or a directory holding one), where the "
+                        "checkpoint does not record it or to override what it records")
     a = p.parse_args(argv)
-    try:
-        weights = consolidated(a.checkpoint)
-    except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    out = Path(a.out)
+    given = [f"--{k.replace('_', '-')}" for k in HF_ONLY if getattr(a, k) is not None]
+    if given and not a.hf:
+        raise UsageError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} --hf")
+    return a
+
+
+def write_one_file(checkpoint: str, out: Path) -> str:
+    weights = consolidated(checkpoint)
     tmp = out.with_name(f".{out.name}.partial")
     try:
         save_file(weights, str(tmp))
         os.replace(tmp, out)  # never a half-written file under the real name
     except OSError as e:
-        print(f"error: cannot write {out}: {e.strerror}", file=sys.stderr)
+        raise ExportError(f"cannot write {out}: {e.strerror}") from None
+    return f"wrote {len(weights)} tensors, {sum(t.numel() for t in weights.values()):,} parameters, to {out}"
+
+
+def write_hf(a) -> str:
+    dtype = parse_dtype(a.dtype or "fp32")
+    size = parse_size(a.max_shard_size or "5GB")
+    done = export(a.checkpoint, a.out, dtype=dtype, max_shard_size=size, tokenizer=a.tokenizer, model_spec=a.model)
+    files = f"{done['files']} file{'s' if done['files'] > 1 else ''}"
+    return (f"wrote {done['tensors']} tensors, {done['parameters']:,} parameters, {done['bytes'] / 1e6:,.1f} MB of "
+            f"{str(dtype).removeprefix('torch.')} in {files}, to {a.out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        a = parse(argv)
+        print(write_hf(a) if a.hf else write_one_file(a.checkpoint, Path(a.out)))
+    except (UsageError, CheckpointError, ExportError) as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {len(weights)} tensors, {sum(t.numel() for t in weights.values()):,} parameters, to {out}")
+    except KeyboardInterrupt:  # the partial output is already removed
+        print("error: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 
