@@ -113,16 +113,16 @@ def run_train(argv: list[str], monkeypatch) -> tuple[str, object]:
         seen["config"] = source
         return real_parse_config(source, world)
 
-    def load_tokens(path, seq):
-        tokens = real_load_tokens(path, seq)
-        seen["tokens"] = tokens
-        return tokens
+    def load_corpus(path, seq):
+        corpus = real_load_corpus(path, seq)
+        seen["tokens"] = corpus
+        return corpus
 
-    real_parse_config, real_load_tokens = train.cli.parse_config, train.cli.load_tokens
+    real_parse_config, real_load_corpus = train.cli.parse_config, train.cli.load_corpus
     with monkeypatch.context() as m:
         m.setattr(train.cli, "spawn", spawn)
         m.setattr(train.cli, "parse_config", parse_config)
-        m.setattr(train.cli, "load_tokens", load_tokens)
+        m.setattr(train.cli, "load_corpus", load_corpus)
         m.setattr(train.data, "stdlib_corpus", _corpus)  # read once: it is 16 MiB of sources
         out, err = io.StringIO(), io.StringIO()
         try:

@@ -239,3 +239,45 @@ def test_gpt2_files_of_every_vintage_read_alike(tmp_path):
     assert source.names.prefix == ""
     for name, w in want.items():
         assert torch.equal(source(name, tuple(w.shape)), w), name
+
+
+# ---- fine-tuning from loaded weights trains like one device ------------------------------------------
+
+def finetune_steps(dirs: dict) -> int:
+    """Per family (Llama: untied, GQA; Qwen2: tied, biases) and stage, two steps of 2 micro-steps from the
+    files' weights, with ignored targets drawn, each held to one device's step (tests/steps.py)."""
+    import zerofunc
+    from tests.steps import check_steps, ignore_some, record_step
+
+    checked = 0
+    for family, path in dirs.items():
+        spec = str(path / "config.json")
+        reference = build_model(model_config(spec))
+        for stage in range(4):
+            model = meta_model(spec)
+            engine = zerofunc.initialize(model, {
+                "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                "zero_optimization": {"stage": stage},
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-5,
+                                                          "weight_decay": 0.1}}}, init=pretrained.weights(path, model))
+            rank, world = engine.comm.rank, engine.comm.world_size
+            want = expected(pretrained.weights(path, model), model, file_tensors(path))
+            gen = torch.Generator().manual_seed(7)  # the same batches on every rank
+            steps = []
+            for _ in range(2):
+                rows = torch.randint(0, 300, (2 * world * 2, 10), generator=gen)
+                targets = ignore_some(rows[:, 1:], gen)
+                everyone = [(rows[i:i + 2, :-1], targets[i:i + 2]) for i in range(0, len(rows), 2)]
+                steps.append(record_step(engine, everyone[rank::world], everyone))
+            assert all(torch.equal(steps[0].params[n], want[n].float()) for n in want), f"{family} stage {stage}"
+            check_steps(reference, steps, f"{family} from its files, stage {stage}")
+            checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("world", [1, *(pytest.param(n, marks=pytest.mark.slow) for n in (2, 3, 4))])
+def test_finetuning_from_loaded_weights_trains_like_one_device(tmp_path, world):
+    """Stages 0-3 on 1-4 ranks, ignored labels drawn: each step within the derived rounding budgets of
+    one device's step from the same weights (tests/steps.py), the first from exactly the files' values."""
+    dirs = {f: save_hf_dir(f, tmp_path / f) for f in ("llama", "qwen2")}
+    assert in_world(world, finetune_steps, dirs) == [8] * world

@@ -52,6 +52,8 @@ class TwinCommunicator(DistCommunicator):
         work = super()._run(op, async_op, **kw)
         if op == "reduce_scatter" and self._write_scatter:
             kw["out"].copy_(shard(kw["inp"], self.rank, self.world_size))  # the mean of N equal inputs
+        if op == "all_reduce" and not kw.get("mean", False):  # the fake group leaves rank 0's value: the sum of
+            kw["out"].mul_(self.world_size)  # N equal twins is N times it (a token count, a squared norm)
         return work
 
 
