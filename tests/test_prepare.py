@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 from tokenizers import Tokenizer, models
 
 from tests.tokenizer import EOS, train_tokenizer, word_tokenizer
-from train import prepare
+from train import documents, prepare
 from train.data import (DataError, check_vocab, global_batch_starts, load_corpus, load_tokens, rank_batch,
                         stdlib_files, val_batches)
 
@@ -97,7 +97,7 @@ def test_output_is_deterministic_and_independent_of_batching(tmp_path, tok, text
     src = write_corpus(tmp_path / "src", EDGE_DOCS + texts, jsonl_from=20)
     prepare.prepare(tok, tmp_path / "a", src, val_fraction=0.2)
     prepare.prepare(tok, tmp_path / "b", src, val_fraction=0.2)
-    monkeypatch.setattr(prepare, "BATCH_BYTES", 1000)  # many batches: document indices must run on across them
+    monkeypatch.setattr(documents, "BATCH_BYTES", 1000)  # many batches: document indices must run on across them
     prepare.prepare(tok, tmp_path / "c", src, val_fraction=0.2)
     for name in ("train.bin", "val.bin", "meta.json"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes() \
@@ -214,7 +214,7 @@ def _tree(root: Path) -> dict:
 @pytest.mark.parametrize("name", BAD)
 def test_bad_input_is_one_line_exit_2_and_leaves_the_output_as_it_was(name, tmp_path, tok, capsys, monkeypatch):
     prepare.prepare(tok, tmp_path / "data", write_corpus(tmp_path / "src", ["first", "second", "third"], 3))
-    monkeypatch.setattr(prepare, "BATCH_BYTES", 1)  # so that batches are written before a late bad document
+    monkeypatch.setattr(documents, "BATCH_BYTES", 1)  # so that batches are written before a late bad document
     make, words = BAD[name]
     case = dict(tokenizer=tok, out=tmp_path / "new", inputs=[tmp_path / "src"], extra=[]) | make(tmp_path)
     args = ["--tokenizer", case["tokenizer"], *(["--out", case["out"]] if case["out"] else []), *case["extra"],
