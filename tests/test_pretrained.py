@@ -105,7 +105,6 @@ def load_with_tracker(path, stage: int) -> dict:
     range read takes from the files (whole rows, or a Conv1D weight's whole columns)."""
     import zerofunc
     from sim.memory import MemoryTracker
-    from zerofunc.units import partition
 
     model = meta_model(str(path / "config.json"))
     source = pretrained.weights(path, model)
@@ -115,12 +114,11 @@ def load_with_tracker(path, stage: int) -> dict:
                                              "zero_optimization": {"stage": stage}}, init=source, memory=tracker)
     rank = engine.comm.rank
     largest = 0
-    for unit, (_, _, named) in zip(engine.units, partition(model, model.shard_units())):
+    for unit in engine.units:
         for slot, lo, hi, _ in unit.layout.pieces(*unit.layout.shard_range(rank)):
             width = math.prod(slot.shape[1:])  # our rows; a transposed weight's are the file's columns
             rows = math.ceil(hi / width) - lo // width
             largest = max(largest, rows * width * 4)  # fp32 files
-    shard = sum(u.layout.shard_numel for u in engine.units)
     report = tracker.report()
     return {"peak": tracker.peak, "end": sum(tracker.live.values()), "largest_slice": largest,
             "in_flight": report.max_by_category["other"], "params": tracker.live["params"],
@@ -281,3 +279,31 @@ def test_finetuning_from_loaded_weights_trains_like_one_device(tmp_path, world):
     one device's step from the same weights (tests/steps.py), the first from exactly the files' values."""
     dirs = {f: save_hf_dir(f, tmp_path / f) for f in ("llama", "qwen2")}
     assert in_world(world, finetune_steps, dirs) == [8] * world
+
+
+def hugging_face_model_from_its_files(path) -> tuple[float, float]:
+    import transformers
+
+    import zerofunc
+
+    cfg = transformers.AutoConfig.from_pretrained(path)
+    with pretrained.parameters_on_meta():
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    assert all(p.device.type == "meta" for p in model.parameters())
+    engine = zerofunc.initialize(model, {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}},
+                                 init=pretrained.weights(path, model))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    model.eval()
+    with torch.no_grad():
+        return engine(input_ids=ids, labels=ids).loss.item(), reference(input_ids=ids, labels=ids).loss.item()
+
+
+@pytest.mark.slow
+def test_a_hugging_face_model_on_meta_loads_its_own_files(tmp_path):
+    """Through the library: Hugging Face's Qwen2 built with its parameters on meta (its RoPE buffers real),
+    filled from its own files at stage 3: the same loss as from_pretrained, bit for bit (the same ops on
+    the same weights; planted: building under torch.device('meta') leaves inv_freq without data)."""
+    path = save_hf_dir("qwen2", tmp_path / "qwen2")
+    ours, theirs = in_world(1, hugging_face_model_from_its_files, path)[0]
+    assert ours == theirs

@@ -22,6 +22,7 @@ headers only; every mismatch is a `WeightsError` whose one line names the tensor
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from pathlib import Path
@@ -42,6 +43,26 @@ SINGLE = "model.safetensors"
 
 class WeightsError(ValueError):
     """Pretrained weights that do not fit the model, or cannot be read; the message is one line."""
+
+
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Build a model inside this to have its parameters on the meta device (no memory, filled later by
+    `weights`) and its buffers real: a rotary embedding computes its inv_freq in __init__ and no
+    file holds it. Accelerate's init_empty_weights(include_buffers=False) works the same way: each
+    parameter is made where torch makes it and moved to meta at once, so one exists at a time."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
 
 
 def is_checkpoint(path: str | Path) -> bool:
