@@ -307,3 +307,23 @@ def test_a_hugging_face_model_on_meta_loads_its_own_files(tmp_path):
     path = save_hf_dir("qwen2", tmp_path / "qwen2")
     ours, theirs = in_world(1, hugging_face_model_from_its_files, path)[0]
     assert ours == theirs
+
+
+@pytest.mark.slow
+def test_a_zerofunc_checkpoint_starts_a_fine_tune(tmp_path, capsys, tiny_data):
+    """--init-from a run directory: its newest checkpoint's fp32 weights, read across its 2 rank files,
+    equal the consolidated ones; a 3-rank run starts from them with the model the checkpoint names."""
+    from zerofunc.checkpoint_files import consolidated
+
+    run = tmp_path / "run"
+    rc, _ = run_train(capsys, "--steps", "2", "--seq", "16", "--save-every", "2", "--data", tiny_data,
+                      "--out", str(run))
+    assert rc == 0
+    assert pretrained.model_spec(run) == "gpt2-tiny"
+    model = meta_model("gpt2-tiny")
+    source = pretrained.weights(run, model)
+    for name, w in consolidated(run).items():
+        assert torch.equal(source(name, tuple(w.shape)), w), name
+    rc, err = run_train(capsys, "--init-from", str(run), "--nproc", "3", "--steps", "1", "--seq", "16",
+                        "--data", tiny_data, "--out", str(tmp_path / "tuned"))
+    assert rc == 0, err
