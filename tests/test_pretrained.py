@@ -1,6 +1,6 @@
 """Pretrained weights in (zerofunc/pretrained.py): each rank reads only its shard's elements, the values
 are exactly the files' (GPT-2's Conv1D transposed, tied heads, bf16 widened), the load stays within its
-memory bound, and every mismatch is one line naming the tensor and the file, with nothing trained."""
+memory bound, and fine-tuning from them trains like one device. The trainer's side: test_init_from.py."""
 from __future__ import annotations
 
 import importlib.util
