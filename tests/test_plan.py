@@ -28,18 +28,20 @@ from zerofunc.units import PRECISIONS, partition
 STATES = ("params", "grads", "optimizer")
 
 
-def executed_step(case, stage):
-    """One real train_step on this rank, watched by the same tracker the planner uses."""
+def executed_step(case, stage, grad_accum=1):
+    """One real train_step of `grad_accum` micro-steps on this rank, watched by the same tracker the
+    planner uses."""
     comm = DistCommunicator()
     tracker = MemoryTracker()
     with torch.device("meta"):
         model = build_model(case.cfg)
-    engine = ZeroEngine(model, STAGES[stage], comm, AdamWConfig(), memory=tracker,
+    engine = ZeroEngine(model, STAGES[stage], comm, AdamWConfig(), memory=tracker, grad_accum=grad_accum,
                         init=lambda n, s: model.init_param(n, s, case.seed))
-    mb = case.micro_batch
-    x, y, _ = (t[comm.rank * mb:(comm.rank + 1) * mb] for t in global_batches(case, comm.world_size, 1)[0])
+    mb, world = case.micro_batch, comm.world_size
+    x, y, _ = global_batches(case, world * grad_accum, 1)[0]
+    batches = [(x[i * mb:(i + 1) * mb], y[i * mb:(i + 1) * mb]) for i in range(world * grad_accum)]
     with tracker:
-        train_step(engine, [(x, y)])
+        train_step(engine, batches[comm.rank::world])
     return comm.ledger.entries, tracker.report()
 
 
@@ -47,14 +49,15 @@ def check_simulation_matches_execution(max_examples):
     world = torch.distributed.get_world_size()
 
     @settings(IN_RANK, max_examples=max_examples)
-    @given(case=small_cases())
-    def prop(case):
+    @given(case=small_cases(), grad_accum=st.integers(1, 3))
+    def prop(case, grad_accum):
         if isinstance(case.cfg, GPTConfig):  # dropout masks are random: the planner sees none
             case = replace(case, cfg=replace(case.cfg, dropout=0.0))
         for stage in STAGES:
-            executed, measured = executed_step(case, stage)
+            executed, measured = executed_step(case, stage, grad_accum)
             sim = simulate(Plan(world_size=world, stage=stage, model=case.cfg, precision="fp32",
-                                micro_batch=case.micro_batch, seq=case.seq, hardware="cpu-gloo"))
+                                micro_batch=case.micro_batch, grad_accum=grad_accum, seq=case.seq,
+                                hardware="cpu-gloo"))
             assert agreed_max(float(sim.ledger != executed)) == 0, f"stage {stage}: simulated ledger differs"
             for c in STATES:
                 err = agreed_max(abs(sim.memory.max_by_category[c] - measured.max_by_category[c])
@@ -209,16 +212,17 @@ def test_plan_bad_input(capsys, tmp_path, argv, message):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_trainer_reports_what_the_planner_predicts(capsys, tmp_path, stage, tiny_data):
+@pytest.mark.parametrize("stage, grad_accum", [(0, 1), (1, 1), (2, 1), (3, 1), (1, 3), (3, 2)])
+def test_trainer_reports_what_the_planner_predicts(capsys, tmp_path, stage, grad_accum, tiny_data):
+    """python -m train's logged volume and peak against python -m zerofunc.plan's, with accumulation too."""
     out = tmp_path / "run"
     assert train_main(["--model", "gpt2-tiny", "--stage", str(stage), "--nproc", "2", "--steps", "2",
-                       "--micro-batch", "2", "--seq", "32", "--out", str(out), "--device", "cpu",
-                       "--data", tiny_data]) == 0
+                       "--micro-batch", "2", "--grad-accum", str(grad_accum), "--seq", "32", "--out", str(out),
+                       "--device", "cpu", "--data", tiny_data]) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     code, doc, _ = run_plan(capsys, "--model", "gpt2-tiny", "--world-size", "2", "--stage", str(stage),
-                            "--micro-batch", "2", "--seq", "32", "--precision", "fp32", "--hardware", "cpu-gloo",
-                            "--json", "--levers", "none")
+                            "--micro-batch", "2", "--grad-accum", str(grad_accum), "--seq", "32", "--precision",
+                            "fp32", "--hardware", "cpu-gloo", "--json", "--levers", "none")
     planned = json.loads(doc)["stages"][0]
     for row in rows:
         assert row["comm_volume_bytes"] == planned["comm"]["volume_bytes"]

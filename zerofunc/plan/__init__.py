@@ -55,6 +55,7 @@ class Plan:
     params: Optional[int] = None
     precision: str = "bf16"
     micro_batch: int = 1
+    grad_accum: int = 1        # micro-steps per optimizer step: the step simulated runs them all
     seq: Optional[int] = None  # default: the model's context
     hardware: str = "h100-sxm"
     prefetch_depth: int = Overlap.prefetch_depth   # stage 3: blocks gathered ahead (zerofunc.overlap)
@@ -66,6 +67,8 @@ class Plan:
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ValueError(f"world size must be at least 1, got {self.world_size}")
+        if self.grad_accum < 1:
+            raise ValueError(f"gradient accumulation must be at least 1 micro-step, got {self.grad_accum}")
         get_stage(self.stage)
         get_profile(self.hardware)
         self.overlap  # validates
@@ -141,7 +144,8 @@ class Plan:
 
     def zero_config(self) -> Config:
         """The DeepSpeed-style config the trainer runs this plan with (default AdamW, no clipping)."""
-        return Config(stage=self.stage, micro_batch=self.micro_batch, train_batch_size=self.micro_batch * self.world_size,
+        return Config(stage=self.stage, micro_batch=self.micro_batch, grad_accum=self.grad_accum,
+                      train_batch_size=self.micro_batch * self.world_size * self.grad_accum,
                       precision=self.precision, overlap=self.overlap, checkpointing=self.checkpointing,
                       offload_optimizer=self.offload_optimizer)
 
@@ -231,7 +235,7 @@ def simulate(plan: Plan, timeline: bool = False, timing: bool = True, kernel_cac
                         link_bytes_per_s=profile.host_link_bandwidth, op_overhead_s=profile.op_overhead_s)
     # the kernel cache sits below the instruments: they see every op, each layer's meta kernels run once
     with MetaKernelCache() if kernel_cache else contextlib.nullcontext(), tracker, roofline if timing else contextlib.nullcontext(), TargetAttention(profile.attention):
-        train_step(engine, [batch])
+        train_step(engine, [batch] * plan.grad_accum)
     ledger = list(comm.ledger)
     return Simulation(plan, engine.numel, tracker.report(), ledger, roofline.flops, roofline.time_s,
                       ledger_time(ledger, link), ledger_time([e for e in ledger if e.overlapped], link),

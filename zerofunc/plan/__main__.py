@@ -31,6 +31,7 @@ MAX_AUTO_MICRO_BATCH = 64  # --levers auto without --micro-batch: the largest po
 MAX_WORLD_SIZE = 2**20  # ranks: more accelerators than any cluster holds
 MAX_PARAMS = 2**50      # --params: a thousand times the largest models trained
 MAX_MEMORY_GIB = 2**20  # --gpu-memory, --host-memory: a PiB per rank
+MAX_GRAD_ACCUM = 256    # --grad-accum: every micro-step is simulated, so the plan takes K times as long
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -63,6 +64,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host-memory", type=float, default=None,
                    help="host memory per rank in GiB, for offload (default: the hardware's)")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's context)")
+    p.add_argument("--grad-accum", type=int, default=1, metavar="K",
+                   help="micro-steps per optimizer step (default 1); the step planned runs all K")
     p.add_argument("--precision", default="bf16", help="fp32, bf16 or fp16")
     p.add_argument("--hardware", default="h100-sxm", help=f"one of {', '.join(profiles())}")
     p.add_argument("--profiles", metavar="FILE", default=None, help=PROFILES_HELP)
@@ -87,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"{flag} must be positive, in GiB up to {MAX_MEMORY_GIB}, got {gib}")
         if a.micro_batch is not None and a.micro_batch < 1:
             raise ValueError(f"micro-batch must be at least 1, got {a.micro_batch}")
+        if not 1 <= a.grad_accum <= MAX_GRAD_ACCUM:
+            raise ValueError(f"--grad-accum must lie in [1, {MAX_GRAD_ACCUM}], got {a.grad_accum}")
         if a.params is not None and a.params > MAX_PARAMS:
             raise ValueError(f"--params must be at most {MAX_PARAMS}, got {a.params}")
         if not 0 <= a.prefetch_depth <= MAX_PREFETCH_DEPTH:
@@ -101,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         sizes, candidates = world_sizes(a.world_size, a.gpus_per_node, a.max_world_size)
         auto = a.levers == "auto"
         base = Plan(world_size=sizes[0], stage=stages[0], model=None if a.params is not None else a.model,
-                    params=a.params, precision=a.precision, micro_batch=a.micro_batch or 1, seq=a.seq,
+                    params=a.params, precision=a.precision, micro_batch=a.micro_batch or 1,
+                    grad_accum=a.grad_accum, seq=a.seq,
                     hardware=a.hardware, prefetch_depth=a.prefetch_depth,
                     bucket_bytes=int(a.bucket_mb * 2**20),
                     activation_checkpointing=a.activation_checkpointing or "none", ac_every=a.ac_every,

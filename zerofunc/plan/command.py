@@ -30,6 +30,8 @@ def train_args(plan: Plan, nproc: Optional[int] = None) -> list[str]:
     if nproc is not None:
         args += ["--nproc", str(nproc)]
     args += ["--micro-batch", str(plan.micro_batch), "--seq", str(plan.tokens), "--precision", plan.precision]
+    if plan.grad_accum > 1:
+        args += ["--grad-accum", str(plan.grad_accum)]
     ac = plan.checkpointing
     if ac.on:
         args += ["--activation-checkpointing", ac.mode]

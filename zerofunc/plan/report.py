@@ -38,7 +38,7 @@ class StageReport:
         p = self.sim.plan
         if p.params is not None or not self.timed:
             return 0.0
-        return p.world_size * p.micro_batch * p.tokens / self.sim.step_s
+        return p.world_size * p.micro_batch * p.grad_accum * p.tokens / self.sim.step_s
 
     def as_json(self) -> dict:
         m = self.sim.memory
@@ -48,6 +48,7 @@ class StageReport:
             "stage": p.stage,
             "world_size": p.world_size,
             "micro_batch": p.micro_batch if p.params is None else None,
+            "grad_accum": p.grad_accum,
             "activation_checkpointing": p.activation_checkpointing,
             "ac_every": p.ac_every if p.activation_checkpointing == "selective" else None,
             "offload_optimizer": "cpu" if p.offload_optimizer else "none",
@@ -219,6 +220,8 @@ def as_table(plan: Plan, reports: list[StageReport], capacity: int, ranks: Optio
     if plan.params is None:
         mb = "micro-batch: the largest that fits" if micro_batch_auto else f"micro-batch {plan.micro_batch}"
         what = f"{plan.model_name} ({numel:,} parameters), {mb} x {plan.tokens} tokens"
+        if plan.grad_accum > 1:
+            what += f", {plan.grad_accum} micro-steps per optimizer step (comm and time per step)"
     else:
         what = f"{numel:,} parameters, model states only"
     ranks = ranks or f"{plan.world_size} ranks"
