@@ -32,5 +32,5 @@ def evaluate(engine: ZeroEngine, batches: Sequence[Sequence[torch.Tensor]]) -> f
         model.train(training)
         engine.gathering.release_blocks()  # a prefetch past the last block must not stay gathered
     mean = total / len(batches)
-    engine.comm.all_reduce(mean, tag="metrics")
+    engine.reduce_data_parallel(mean, tag="metrics")
     return mean.item()

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from zerofunc.comm import Communicator, DistCommunicator
+from zerofunc.comm import Communicator, DistCommunicator, hybrid_communicators
 from zerofunc.config import Config, parse
 from zerofunc.engine import ZeroEngine
 from zerofunc.stages import get_stage
@@ -32,6 +32,11 @@ def initialize(model: nn.Module, config: dict | str | Path | Config, *, device: 
     cfg = config if isinstance(config, Config) else parse(config, world)  # bad input fails before any set-up
     if comm is None and not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    replicas = None
+    if cfg.shard_group is not None and cfg.stage > 0:  # hybrid sharding (stage 0 shards nothing: no groups)
+        if comm is not None:
+            raise ValueError("zero_optimization.shard_group_size: initialize makes the groups; pass no comm")
+        comm, replicas = hybrid_communicators(cfg.shard_group)
     comm = comm if comm is not None else DistCommunicator()
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
@@ -48,7 +53,7 @@ def initialize(model: nn.Module, config: dict | str | Path | Config, *, device: 
                         unit_names if unit_names is not None else default_units(model), precision=cfg.precision,
                         memory=memory, grad_accum=cfg.grad_accum, clip=cfg.clip, loss_scaler=cfg.loss_scaler(),
                         overlap=cfg.overlap, compile=torch.device(device).type == "cuda" if compile is None else compile,
-                        checkpointing=cfg.checkpointing, offload_optimizer=cfg.offload_optimizer)
+                        checkpointing=cfg.checkpointing, offload_optimizer=cfg.offload_optimizer, replicas=replicas)
     engine.optimizer.lr_schedule = cfg.lr
     engine.config = cfg
     if real:

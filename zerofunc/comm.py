@@ -208,13 +208,29 @@ class DistCommunicator(Communicator):
             work = reduce_scatter_single(out, inp, op=self._reduce_op(mean), group=g, async_op=async_op)
         elif op == "all_reduce":
             work = dist.all_reduce(out, op=self._reduce_op(mean), group=g, async_op=async_op)
-        else:
-            work = dist.broadcast(out, src=src, group=g, async_op=async_op)
+        else:  # torch names the source by its global rank, also in a subgroup
+            work = dist.broadcast(out, src=src if g is None else dist.get_global_rank(g, src), group=g,
+                                  async_op=async_op)
         return work if work is not None else _Done()
 
     @staticmethod
     def _reduce_op(mean: bool):
         return dist.ReduceOp.AVG if mean else dist.ReduceOp.SUM
+
+
+def hybrid_communicators(shard_size: int, link: Optional[Link] | str = "backend"
+                         ) -> tuple[DistCommunicator, DistCommunicator]:
+    """Hybrid sharding's two groups for this rank: its shard group (`shard_size` consecutive ranks, over
+    which the stages shard) and its replica group (the ranks at the same place of every shard group, over
+    which a gradient shard is all-reduced once per step). Collective: every rank makes every group, in
+    the same order, as torch.distributed.new_group requires. Both write to one ledger."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if shard_size < 1 or world % shard_size:
+        raise ValueError(f"a shard group of {shard_size} ranks does not divide the world of {world}")
+    shards = [dist.new_group(list(range(g, g + shard_size))) for g in range(0, world, shard_size)]
+    replicas = [dist.new_group(list(range(i, world, shard_size))) for i in range(shard_size)]
+    shard_comm = DistCommunicator(shards[rank // shard_size], link=link)
+    return shard_comm, DistCommunicator(replicas[rank % shard_size], ledger=shard_comm.ledger, link=link)
 
 
 class RecordingCommunicator(Communicator):

@@ -218,3 +218,20 @@ def schedule(raw: dict) -> Optional[Schedule]:
     return Schedule(kind, out)
 
 
+
+
+def shard_group(zero: dict, world_size: int) -> Optional[int]:
+    """zero_optimization.shard_group_size, zerofunc's key, or DeepSpeed's mics_shard_size read as the same:
+    the ranks of one shard group under hybrid sharding (None, or -1 as MiCS writes it: the whole world).
+    It must divide the world size."""
+    keys = [k for k in ("shard_group_size", "mics_shard_size") if k in zero]
+    if len(keys) == 2 and zero[keys[0]] != zero[keys[1]]:
+        raise ConfigError("zero_optimization.shard_group_size and mics_shard_size disagree; give one")
+    if not keys:
+        return None
+    size = number(zero, keys[0], -1, f"zero_optimization.{keys[0]}", int)
+    if size == -1:
+        return None
+    if size < 1 or world_size % size:
+        raise ConfigError(f"zero_optimization.{keys[0]} must divide the world size of {world_size}, got {size}")
+    return None if size == world_size else size

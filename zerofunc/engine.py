@@ -92,6 +92,9 @@ class ZeroEngine:
     `overlap` sets the prefetch depth and the bucket size (zerofunc.overlap.Overlap).
     `checkpointing` says which blocks recompute their forward in backward; `offload_optimizer`
     keeps the optimizer's state in host memory and updates it on the CPU (stages 1-3).
+    `replicas` (hybrid sharding): `comm` is then this rank's shard group, over which the stage shards,
+    and `replicas` the group of ranks holding the same shard in the other shard groups: each
+    gradient shard is averaged over it once per optimizer step, at the accumulation boundary.
     """
 
     def __init__(self, model: nn.Module, stage: Stage, comm: Communicator, optim: AdamWConfig,
@@ -99,7 +102,8 @@ class ZeroEngine:
                  unit_names: Optional[list[str]] = None, precision: str = "fp32", memory=None,
                  grad_accum: int = 1, clip: float = 0.0, loss_scaler: Optional[LossScaler] = None,
                  overlap: Overlap = Overlap(), compile: bool = False,
-                 checkpointing: ActivationCheckpointing = ActivationCheckpointing(), offload_optimizer: bool = False):
+                 checkpointing: ActivationCheckpointing = ActivationCheckpointing(), offload_optimizer: bool = False,
+                 replicas: Optional[Communicator] = None):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         if grad_accum < 1 or clip < 0:
@@ -110,10 +114,15 @@ class ZeroEngine:
         self.micro_step = 0          # backward passes since the last optimizer step
         self._in_backward = False    # inside engine.backward(): the only place unit gradients may arrive
         self.model, self.stage, self.comm, self.optim, self.overlap = model, stage, comm, optim, overlap
+        if replicas is not None and not stage.shard_optimizer:
+            raise ValueError("hybrid sharding shards within a group: it needs ZeRO stage 1, 2 or 3")
+        self.replicas = replicas if replicas is not None and replicas.world_size > 1 else None
         self._reducing = InFlight(overlap.bucket_bytes)
         self.device = torch.device(device)
         self.memory = memory if memory is not None else NoMemoryTracking()
         comm.memory = self.memory  # the backend's staging during collectives counts too
+        if self.replicas is not None:
+            self.replicas.memory = self.memory
         if unit_names is None:
             unit_names = model.shard_units() if hasattr(model, "shard_units") else []
         self.offload = OptimizerOffload(self.device, self.memory) if offload_optimizer else None
@@ -264,11 +273,26 @@ class ZeroEngine:
                 unit.grad = shard(sent, comm.rank, comm.world_size)
             else:
                 unit.grad = reduced if unit.grad is None else unit.grad.add_(reduced)
+            if self.replicas is not None and self._boundary:  # the shard's mean over the replicas, once a step
+                self.replicas.all_reduce(unit.grad, tag="grads.replicas")
             if self.offload is not None and self._boundary:  # reduced for the last time: to the host
                 unit.grad = self.offload.gradient_down(unit.staging, unit.grad)
 
         self._reducing.add(comm.reduce_scatter(reduced, sent, tag="grads", async_op=overlapped), nbytes, done)
         self.gathering.release(unit)  # stage 3: backward is done with this unit's weights
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that each train on their own micro-batches: all of them, whether or not the stage
+        shards over all of them."""
+        return self.comm.world_size * (self.replicas.world_size if self.replicas is not None else 1)
+
+    def reduce_data_parallel(self, t: torch.Tensor, tag: str, mean: bool = True) -> None:
+        """All-reduce `t` over every data-parallel rank: the shard group, then the replicas (equal
+        groups, so the mean of their means is the mean)."""
+        self.comm.all_reduce(t, tag=tag, mean=mean)
+        if self.replicas is not None:
+            self.replicas.all_reduce(t, tag=tag, mean=mean)
 
     # ---- optimizer ---------------------------------------------------------------
     def step(self, lr: Optional[float] = None) -> bool:

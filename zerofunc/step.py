@@ -93,8 +93,8 @@ def num_items_in_batch(engine: ZeroEngine, micro_batches: Sequence[MicroBatch]) 
     if any(c is None for c in counts):
         return None
     count = torch.stack(counts).sum() if len(counts) > 1 else counts[0]
-    engine.comm.all_reduce(count, tag="tokens", mean=False)
-    return count.clamp_min(1).float() / (engine.comm.world_size * engine.grad_accum)
+    engine.reduce_data_parallel(count, tag="tokens", mean=False)
+    return count.clamp_min(1).float() / (engine.data_parallel_size * engine.grad_accum)
 
 
 def micro_step_loss(engine: ZeroEngine, batch: MicroBatch, num_items: Optional[torch.Tensor]) -> torch.Tensor:
@@ -125,5 +125,5 @@ def train_step(engine: ZeroEngine, micro_batches: Sequence[MicroBatch]) -> torch
         total = loss.detach().float() if total is None else total + loss.detach().float()
     engine.step()
     mean = total / len(micro_batches)
-    engine.comm.all_reduce(mean, tag="metrics")
+    engine.reduce_data_parallel(mean, tag="metrics")
     return mean
