@@ -42,11 +42,12 @@ def save(engine: ZeroEngine, run_dir: str | Path, step: int, extra: Optional[dic
     same `SaveError` after the partial directory is removed: the previous checkpoint and
     `latest` are untouched, and no rank is left waiting in a collective.
     """
-    _not_hybrid(engine)
     final = step_dir(run_dir, step)
     root, name = final.parent, final.name
     tmp = root / f".{name}.partial"
-    rank, world = engine.comm.rank, engine.comm.world_size
+    rank, world = _data_parallel_rank(engine), engine.data_parallel_size  # who agrees, and who publishes
+    shard, shards = engine.comm.rank, engine.comm.world_size  # which file: under hybrid sharding, the
+    # first shard group's ranks (0 .. S-1, shard rank = rank) write; every replica holds the same shards
     finite = all(bool(torch.isfinite(u.master).all()) for u in engine.units)
     failure = None
     if rank == 0:
@@ -60,14 +61,14 @@ def save(engine: ZeroEngine, run_dir: str | Path, step: int, extra: Optional[dic
     _raise_failure(rank, tmp, step, final, [f for _, f in states])
 
     digest, failure = None, None
-    if engine.stage.shard_optimizer or rank == 0:  # stage 0: every rank holds the same state
+    if (engine.stage.shard_optimizer and rank < shards) or rank == 0:  # stage 0: every rank holds the same
         def write():
             tensors = {}
             for i, unit in enumerate(engine.units):
                 for kind in ("master", "m", "v"):
                     tensors[f"{i}.{kind}"] = getattr(unit, kind).detach().cpu().contiguous()
-            save_file(tensors, str(tmp / rank_file(rank)))
-            return sha256(tmp / rank_file(rank))  # each rank hashes its own file, in parallel
+            save_file(tensors, str(tmp / rank_file(shard)))
+            return sha256(tmp / rank_file(shard))  # each rank hashes its own file, in parallel
         digest, failure = _attempt(write)
     states = _agree(world, (digest, failure))
     _raise_failure(rank, tmp, step, final, [f for _, f in states])
@@ -76,9 +77,9 @@ def save(engine: ZeroEngine, run_dir: str | Path, step: int, extra: Optional[dic
     if rank == 0:
         opt = engine.optimizer
         manifest = {
-            "format": FORMAT, "step": step, "optimizer_steps": engine.optimizer.step_count, "world_size": world,
+            "format": FORMAT, "step": step, "optimizer_steps": engine.optimizer.step_count, "world_size": shards,
             "stage": engine.stage.level,
-            "files": [rank_file(r) for r in (range(world) if engine.stage.shard_optimizer else [0])],
+            "files": [rank_file(r) for r in (range(shards) if engine.stage.shard_optimizer else [0])],
             "sha256": {rank_file(r): d for r, (d, _) in enumerate(states) if d is not None},
             "units": [{"name": u.name, "numel": u.layout.numel, "padded_numel": u.layout.padded_numel,
                        "params": [[s.name, list(s.shape)] for s in u.layout.slots]} for u in engine.units],
@@ -133,12 +134,9 @@ def _raise_failure(rank: int, tmp: Path, step: int, final: Path, failures: list)
                         f"{failures[bad[0]]}")
 
 
-def _not_hybrid(engine: ZeroEngine) -> None:
-    """Every replica of a shard group holds the same shards, and would write the same rank files: until
-    checkpoints know shard groups (issue 25), a hybrid-sharded engine neither saves nor loads."""
-    if engine.replicas is not None:
-        raise ValueError("checkpoints of a hybrid-sharded engine (a shard group smaller than the world) are "
-                         "not supported yet")
+def _data_parallel_rank(engine: ZeroEngine) -> int:
+    """This rank among all data-parallel ranks: its shard rank, unless hybrid sharding makes groups."""
+    return dist.get_rank() if engine.replicas is not None else engine.comm.rank
 
 
 def load(engine: ZeroEngine, path: str | Path) -> dict:
@@ -149,11 +147,10 @@ def load(engine: ZeroEngine, path: str | Path) -> dict:
     on one rank makes every rank raise the same `CheckpointError` naming it, before any rank has
     changed its engine (no rank goes on alone, to wait in a collective the others never reach).
     """
-    _not_hybrid(engine)
     ckpt = resolve(path)
     manifest = read_manifest(ckpt)
     check_model(ckpt, manifest, [[[s.name, list(s.shape)] for s in u.layout.slots] for u in engine.units])
-    world = engine.comm.world_size
+    world = engine.data_parallel_size  # the ranks that agree; each reads by its shard rank
     reads = []  # per unit: (unit, where its span starts here, [(file, file's start, a, b)] to copy [a, b) from)
     for i, unit in enumerate(engine.units):
         start, stop = _owned_span(engine, unit)
