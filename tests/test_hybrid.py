@@ -122,3 +122,21 @@ def test_checkpoints_move_across_shard_groups_stages_and_worlds(tmp_path):
 
     manifest = read_manifest(resolve(tmp_path / "run"))
     assert manifest["files"] == ["rank-00000.safetensors", "rank-00001.safetensors"]
+
+
+@pytest.mark.slow
+def test_the_trainer_shards_within_groups(tmp_path, capsys, tiny_data):
+    """python -m train --shard-group 2 on 4 ranks trains, and its checkpoint is one of 2 shard ranks;
+    a group that does not divide the ranks is one line, exit 2."""
+    from train.cli import main
+    from zerofunc.checkpoint_files import read_manifest, resolve
+
+    run = tmp_path / "run"
+    assert main(["--nproc", "4", "--shard-group", "2", "--steps", "2", "--seq", "16", "--micro-batch", "2",
+                 "--save-every", "2", "--data", tiny_data, "--out", str(run)]) == 0
+    manifest = read_manifest(resolve(run))
+    assert manifest["world_size"] == 2 and len(manifest["files"]) == 2 and manifest["stage"] == 3
+    capsys.readouterr()
+    assert main(["--nproc", "4", "--shard-group", "3", "--out", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "must divide the world size of 4, got 3" in err

@@ -90,6 +90,10 @@ def parse(argv: list[str] | None) -> TrainArgs:
     p.add_argument("--activation-checkpointing", choices=MODES, default=None,
                    help="recompute blocks' forward in backward: every block (full), one in --ac-every (selective)")
     p.add_argument("--ac-every", type=int, default=None, help="selective checkpointing: one block in K (default 2)")
+    p.add_argument("--shard-group", type=int, default=None, metavar="S",
+                   help="hybrid sharding: stages 1-3 shard within groups of S consecutive ranks and average each "
+                        "gradient shard over the groups once per step (default: the whole world; config key "
+                        "zero_optimization.shard_group_size)")
     p.add_argument("--offload-optimizer", choices=("none", "cpu"), default=None,
                    help="cpu: the optimizer's state in host memory, its update on the CPU (stages 1-3)")
     p.add_argument("--on-nonfinite", choices=("stop", "skip"), default="stop",
@@ -223,6 +227,8 @@ def _overrides(a: argparse.Namespace) -> dict:
         out["activation_checkpointing.every"] = a.ac_every
     if a.offload_optimizer is not None:
         out["zero_optimization.offload_optimizer.device"] = a.offload_optimizer
+    if a.shard_group is not None:
+        out["zero_optimization.shard_group_size"] = a.shard_group
     if a.timeout is not None:
         out["comm_timeout"] = a.timeout
     return out

@@ -22,7 +22,6 @@ from train.report import Progress, plot_loss, summary
 from zerofunc import checkpoint, pretrained
 from zerofunc.checkpoint import SaveError
 from zerofunc.checkpoint_files import step_dir
-from zerofunc.comm import DistCommunicator
 from zerofunc.config import Config
 from zerofunc.launch import mark_step
 from zerofunc.models import build_model, model_config
@@ -71,7 +70,6 @@ def train_rank(args: TrainArgs) -> dict:
     corpus = load_corpus(args.data, args.seq)
     with torch.device("meta"):
         model = build_model(model_config(args.model, dropout=args.dropout))
-    comm = DistCommunicator()
     # Peak memory: on CUDA the allocator's own count; on CPU the planner's tracker, on real tensors.
     tracker = MemoryTracker() if device.type == "cpu" else None
     cfg = args.config
@@ -79,7 +77,9 @@ def train_rank(args: TrainArgs) -> dict:
         init = pretrained.weights(args.init_from, model)
     else:
         init = lambda name, shape: model.init_param(name, shape, args.seed)  # noqa: E731
-    engine = zerofunc.initialize(model, cfg, device=device, comm=comm, memory=tracker, compile=args.compile, init=init)
+    # initialize makes the communicators: the world's, or with --shard-group the shard and replica groups
+    engine = zerofunc.initialize(model, cfg, device=device, memory=tracker, compile=args.compile, init=init)
+    comm = engine.comm  # its ledger is the step's, the replicas' collectives included
     first = 1
     if args.resume:
         first = checkpoint.load(engine, args.out)["step"] + 1
