@@ -74,8 +74,9 @@ def collective_time(entry: LedgerEntry, link: Link) -> float:
     return link.time(entry.op, entry.ring_bytes_per_rank, entry.group_size)
 
 
-def ledger_time(entries: Iterable[LedgerEntry], link: Link) -> float:
-    return sum(collective_time(e, link) for e in entries)
+def ledger_time(entries: Iterable[LedgerEntry], link: Link | dict[str, Link]) -> float:
+    """Seconds of the entries' collectives, each on its group's link (`link`: one for all, or by group name)."""
+    return sum(collective_time(e, link if isinstance(link, Link) else link[e.group]) for e in entries)
 
 
 # Another op stands in for a collective only if it takes at most this fraction of its time:

@@ -21,6 +21,8 @@ class LedgerEntry:
     `tag` says what the bytes are for (e.g. "grads", "params.fwd"), so a reader can
     separate the optimizer's traffic from bookkeeping such as the logged loss.
     `overlapped` says it was launched asynchronously, to run behind compute.
+    `group` names the ranks it ran over: "world", or under hybrid sharding "shard" (a shard group)
+    or "replicas" (the ranks holding the same shard in every group); each is costed on its own link.
     """
 
     op: str
@@ -29,6 +31,7 @@ class LedgerEntry:
     group_size: int
     tag: str = ""
     overlapped: bool = False
+    group: str = "world"
 
     def __post_init__(self) -> None:
         if self.op not in VOLUME_FACTOR:

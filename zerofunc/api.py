@@ -18,7 +18,8 @@ from zerofunc.units import InitFn
 
 def initialize(model: nn.Module, config: dict | str | Path | Config, *, device: Optional[torch.device | str] = None,
                comm: Optional[Communicator] = None, init: Optional[InitFn] = None,
-               unit_names: Optional[list[str]] = None, memory=None, compile: Optional[bool] = None) -> ZeroEngine:
+               unit_names: Optional[list[str]] = None, memory=None, compile: Optional[bool] = None,
+               replicas: Optional[Communicator] = None) -> ZeroEngine:
     """Wrap `model` (any nn.Module) in a ZeRO engine configured by a DeepSpeed-style `config`.
 
     Without a process group, a single-rank gloo group is started, so the same script
@@ -32,11 +33,14 @@ def initialize(model: nn.Module, config: dict | str | Path | Config, *, device: 
     cfg = config if isinstance(config, Config) else parse(config, world)  # bad input fails before any set-up
     if comm is None and not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    replicas = None
-    if cfg.shard_group is not None and cfg.stage > 0:  # hybrid sharding (stage 0 shards nothing: no groups)
-        if comm is not None:
-            raise ValueError("zero_optimization.shard_group_size: initialize makes the groups; pass no comm")
+    hybrid = cfg.shard_group is not None and cfg.stage > 0  # stage 0 shards nothing: no groups
+    if hybrid and comm is None:
         comm, replicas = hybrid_communicators(cfg.shard_group)
+    elif hybrid and (replicas is None or comm.world_size != cfg.shard_group):
+        raise ValueError("zero_optimization.shard_group_size with a given comm: give it the shard group's, and "
+                         "replicas= the replicas' (the planner's recording communicators)")
+    elif not hybrid:
+        replicas = None
     comm = comm if comm is not None else DistCommunicator()
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"

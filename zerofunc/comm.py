@@ -95,6 +95,7 @@ class Communicator:
         self.ledger = ledger if ledger is not None else Ledger()
         self.memory = NoMemoryTracking()
         self.link = link
+        self.group_name = "world"  # the ledger's name for the ranks this communicator spans
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, tag: str = "", async_op: bool = False) -> Handle:
         """Concatenate every rank's `inp` (one shard) into `out`.
@@ -168,7 +169,7 @@ class Communicator:
         to wait on with others (the broadcasts of one all-gather)."""
         nbytes = payload.numel() * payload.element_size()
         self.ledger.append(LedgerEntry(op, str(payload.dtype).removeprefix("torch."), nbytes, self.world_size, tag,
-                                       async_op))
+                                       async_op, self.group_name))
         staged = int(nbytes * self.staging.get(op, 0.0))
         key = self.memory.hold(staged) if staged else None
         with self.memory.backend():
@@ -230,7 +231,9 @@ def hybrid_communicators(shard_size: int, link: Optional[Link] | str = "backend"
     shards = [dist.new_group(list(range(g, g + shard_size))) for g in range(0, world, shard_size)]
     replicas = [dist.new_group(list(range(i, world, shard_size))) for i in range(shard_size)]
     shard_comm = DistCommunicator(shards[rank // shard_size], link=link)
-    return shard_comm, DistCommunicator(replicas[rank % shard_size], ledger=shard_comm.ledger, link=link)
+    replica_comm = DistCommunicator(replicas[rank % shard_size], ledger=shard_comm.ledger, link=link)
+    shard_comm.group_name, replica_comm.group_name = "shard", "replicas"
+    return shard_comm, replica_comm
 
 
 class RecordingCommunicator(Communicator):

@@ -56,6 +56,7 @@ class Plan:
     precision: str = "bf16"
     micro_batch: int = 1
     grad_accum: int = 1        # micro-steps per optimizer step: the step simulated runs them all
+    shard_group: Optional[int] = None  # hybrid sharding: ranks per shard group (None: the whole world)
     seq: Optional[int] = None  # default: the model's context
     hardware: str = "h100-sxm"
     prefetch_depth: int = Overlap.prefetch_depth   # stage 3: blocks gathered ahead (zerofunc.overlap)
@@ -69,6 +70,9 @@ class Plan:
             raise ValueError(f"world size must be at least 1, got {self.world_size}")
         if self.grad_accum < 1:
             raise ValueError(f"gradient accumulation must be at least 1 micro-step, got {self.grad_accum}")
+        if self.shard_group is not None and not (1 <= self.shard_group and self.world_size % self.shard_group == 0):
+            raise ValueError(f"a shard group of {self.shard_group} ranks does not divide the world of "
+                             f"{self.world_size}")
         get_stage(self.stage)
         get_profile(self.hardware)
         self.overlap  # validates
@@ -147,7 +151,14 @@ class Plan:
         return Config(stage=self.stage, micro_batch=self.micro_batch, grad_accum=self.grad_accum,
                       train_batch_size=self.micro_batch * self.world_size * self.grad_accum,
                       precision=self.precision, overlap=self.overlap, checkpointing=self.checkpointing,
-                      offload_optimizer=self.offload_optimizer)
+                      offload_optimizer=self.offload_optimizer, shard_group=self.hybrid_group)
+
+    @property
+    def hybrid_group(self) -> Optional[int]:
+        """The shard group's size where hybrid sharding changes anything: a group smaller than the
+        world, at a stage that shards; else None."""
+        s = self.shard_group
+        return s if s is not None and s < self.world_size and self.stage > 0 else None
 
 
 @dataclass
@@ -222,12 +233,22 @@ def simulate(plan: Plan, timeline: bool = False, timing: bool = True, kernel_cac
     (sim.meta_cache; the result is the same, only slower).
     """
     profile = plan.profile
-    link = profile.link(plan.world_size)  # also chooses each collective, as the backend's rates do in a real run
-    comm = RecordingCommunicator(0, plan.world_size, staging=profile.collective_staging, link=link)
+    # each group's link also chooses its collectives, as the backend's rates do in a real run
+    links = {"world": profile.link(plan.world_size)}
+    replicas = None
+    if plan.hybrid_group is None:
+        comm = RecordingCommunicator(0, plan.world_size, staging=profile.collective_staging, link=links["world"])
+    else:  # shard groups of consecutive ranks: within a node when they fit; the replicas span the world
+        s = plan.hybrid_group
+        links |= {"shard": profile.link(s), "replicas": profile.link(plan.world_size)}
+        comm = RecordingCommunicator(0, s, staging=profile.collective_staging, link=links["shard"])
+        replicas = RecordingCommunicator(0, plan.world_size // s, ledger=comm.ledger,
+                                         staging=profile.collective_staging, link=links["replicas"])
+        comm.group_name, replicas.group_name = "shard", "replicas"
     tracker = MemoryTracker(keep_timeline=timeline)
     model = plan.build()
     # Built as the trainer builds it (fp16's loss scaler included), only on meta and without weights.
-    engine = initialize(model, plan.zero_config(), device="meta", comm=comm, memory=tracker,
+    engine = initialize(model, plan.zero_config(), device="meta", comm=comm, replicas=replicas, memory=tracker,
                         init=lambda name, shape: None, compile=False)
     batch = () if plan.params is not None else _meta_batch(plan, model)
     roofline = Roofline({k: v * profile.compute_efficiency for k, v in profile.flops.items()},
@@ -238,7 +259,7 @@ def simulate(plan: Plan, timeline: bool = False, timing: bool = True, kernel_cac
         train_step(engine, [batch] * plan.grad_accum)
     ledger = list(comm.ledger)
     return Simulation(plan, engine.numel, tracker.report(), ledger, roofline.flops, roofline.time_s,
-                      ledger_time(ledger, link), ledger_time([e for e in ledger if e.overlapped], link),
+                      ledger_time(ledger, links), ledger_time([e for e in ledger if e.overlapped], links),
                       dict(roofline.elsewhere_s))
 
 

@@ -64,6 +64,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host-memory", type=float, default=None,
                    help="host memory per rank in GiB, for offload (default: the hardware's)")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's context)")
+    p.add_argument("--shard-group", type=int, default=None, metavar="S",
+                   help="hybrid sharding: stages 1-3 shard within groups of S consecutive ranks and average the "
+                        "gradient shards over the groups once per step (default: the whole world)")
     p.add_argument("--grad-accum", type=int, default=1, metavar="K",
                    help="micro-steps per optimizer step (default 1); the step planned runs all K")
     p.add_argument("--precision", default="bf16", help="fp32, bf16 or fp16")
@@ -107,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         auto = a.levers == "auto"
         base = Plan(world_size=sizes[0], stage=stages[0], model=None if a.params is not None else a.model,
                     params=a.params, precision=a.precision, micro_batch=a.micro_batch or 1,
-                    grad_accum=a.grad_accum, seq=a.seq,
+                    grad_accum=a.grad_accum, shard_group=a.shard_group, seq=a.seq,
                     hardware=a.hardware, prefetch_depth=a.prefetch_depth,
                     bucket_bytes=int(a.bucket_mb * 2**20),
                     activation_checkpointing=a.activation_checkpointing or "none", ac_every=a.ac_every,

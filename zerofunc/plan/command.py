@@ -32,6 +32,8 @@ def train_args(plan: Plan, nproc: Optional[int] = None) -> list[str]:
     args += ["--micro-batch", str(plan.micro_batch), "--seq", str(plan.tokens), "--precision", plan.precision]
     if plan.grad_accum > 1:
         args += ["--grad-accum", str(plan.grad_accum)]
+    if plan.hybrid_group is not None:
+        args += ["--shard-group", str(plan.hybrid_group)]
     ac = plan.checkpointing
     if ac.on:
         args += ["--activation-checkpointing", ac.mode]

@@ -49,6 +49,7 @@ class StageReport:
             "world_size": p.world_size,
             "micro_batch": p.micro_batch if p.params is None else None,
             "grad_accum": p.grad_accum,
+            "shard_group": p.hybrid_group or p.world_size,
             "activation_checkpointing": p.activation_checkpointing,
             "ac_every": p.ac_every if p.activation_checkpointing == "selective" else None,
             "offload_optimizer": "cpu" if p.offload_optimizer else "none",
@@ -224,6 +225,8 @@ def as_table(plan: Plan, reports: list[StageReport], capacity: int, ranks: Optio
             what += f", {plan.grad_accum} micro-steps per optimizer step (comm and time per step)"
     else:
         what = f"{numel:,} parameters, model states only"
+    if plan.shard_group is not None:
+        what += f", stages 1-3 sharded within groups of {plan.shard_group} ranks"
     ranks = ranks or f"{plan.world_size} ranks"
     host = reports[0].host_capacity
     head = (f"{what}, {ranks}, {plan.precision}, {plan.hardware} ({_gib(capacity)} GiB usable per rank"
