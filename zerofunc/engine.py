@@ -25,13 +25,14 @@ The same code runs on meta tensors with a `RecordingCommunicator` to simulate a 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
 from torch.func import functional_call
 
 from zerofunc.comm import Communicator
+from zerofunc.engine_state import WholeState
 from zerofunc.gather import UnitGathering
 from zerofunc.layout import shard
 from zerofunc.lm_head import LinearCrossEntropy
@@ -78,7 +79,7 @@ def _bind(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch
     return replaced
 
 
-class ZeroEngine:
+class ZeroEngine(WholeState):
     """Trains `model` with ZeRO `stage` over `comm`'s ranks.
 
     `model` may live on the meta device: only the shapes of its parameters are used.
@@ -308,33 +309,3 @@ class ZeroEngine:
         self.micro_step = 0
         self.memory.mark("step")
         return self.optimizer.step(lr)
-
-    # ---- export ------------------------------------------------------------------
-    @torch.no_grad()
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter, whole and in fp32 (the masters), on every rank."""
-        return self._unflatten(lambda u: u.master, sharded=self.stage.shard_optimizer)
-
-    @torch.no_grad()
-    def full_gradients(self) -> dict[str, torch.Tensor]:
-        """The reduced gradient of every parameter, whole (between backward and step)."""
-        return self._unflatten(lambda u: u.grad, sharded=self.stage.shard_optimizer)
-
-    @torch.no_grad()
-    def full_moments(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """AdamW's first and second moments of every parameter, whole, on every rank (between steps)."""
-        sharded = self.stage.shard_optimizer
-        return self._unflatten(lambda u: u.m, sharded), self._unflatten(lambda u: u.v, sharded)
-
-    def _unflatten(self, get: Callable[[Unit], torch.Tensor], sharded: bool) -> dict[str, torch.Tensor]:
-        out = {}
-        if self.offload is not None:
-            self.offload.wait()
-        for unit in self.units:
-            flat = get(unit).to(unit.params.device)  # an offloaded master is on the host
-            if sharded:
-                whole = torch.empty(unit.layout.padded_numel, device=flat.device, dtype=flat.dtype)
-                self.comm.all_gather(whole, flat, tag="export")
-                flat = whole
-            out.update({k: v.clone() for k, v in unit.layout.views(flat).items()})
-        return out

@@ -1,0 +1,42 @@
+"""Reading an engine's state back whole: each unit's shards gathered over the shard group and cut into
+the model's parameters. For tests, checkpoints' users and export; not on the training step's path."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from zerofunc.units import Unit
+
+
+class WholeState:
+    """ZeroEngine's whole-state readers (it has `units`, `stage`, `comm` and `offload`)."""
+
+    @torch.no_grad()
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter, whole and in fp32 (the masters), on every rank."""
+        return self._unflatten(lambda u: u.master, sharded=self.stage.shard_optimizer)
+
+    @torch.no_grad()
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """The reduced gradient of every parameter, whole (between backward and step)."""
+        return self._unflatten(lambda u: u.grad, sharded=self.stage.shard_optimizer)
+
+    @torch.no_grad()
+    def full_moments(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """AdamW's first and second moments of every parameter, whole, on every rank (between steps)."""
+        sharded = self.stage.shard_optimizer
+        return self._unflatten(lambda u: u.m, sharded), self._unflatten(lambda u: u.v, sharded)
+
+    def _unflatten(self, get: Callable[[Unit], torch.Tensor], sharded: bool) -> dict[str, torch.Tensor]:
+        out = {}
+        if self.offload is not None:
+            self.offload.wait()
+        for unit in self.units:
+            flat = get(unit).to(unit.params.device)  # an offloaded master is on the host
+            if sharded:
+                whole = torch.empty(unit.layout.padded_numel, device=flat.device, dtype=flat.dtype)
+                self.comm.all_gather(whole, flat, tag="export")
+                flat = whole
+            out.update({k: v.clone() for k, v in unit.layout.views(flat).items()})
+        return out
