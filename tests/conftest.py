@@ -81,3 +81,20 @@ def fuzz_dir(tmp_path_factory):
     (d / "list.json").write_text("[1, 2]")
     (d / "broken.json").write_text('{"model_type": "gpt2",')
     return d
+
+
+@pytest.fixture(scope="module")
+def texts() -> list[str]:
+    """About 40 small standard-library sources: real text, present on every machine."""
+    from train.data import stdlib_files
+    small = [p for p in stdlib_files()[:200] if p.stat().st_size < 8000][:40]
+    return [p.read_text() for p in small]
+
+
+@pytest.fixture(scope="module")
+def tok(texts, tmp_path_factory):
+    """A byte-level BPE tokenizer.json trained on `texts` (tests/tokenizer.py)."""
+    from tests.tokenizer import train_tokenizer
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    train_tokenizer(path, texts)
+    return path

@@ -108,6 +108,22 @@ def ignore_some(targets: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return targets.masked_fill(ignored, -100)
 
 
+def drawn_steps(engine, vocab: int, seq: int, seed: int, steps: int = 2, micro_batch: int = 2) -> list[Step]:
+    """`steps` recorded optimizer steps of `engine` on random tokens with ignored targets (ignore_some),
+    drawn alike on every rank: a global batch holds `micro_batch` rows for each micro-step of each
+    data-parallel rank, and micro-step j of rank r takes micro-batch j * N + r."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        rows = torch.randint(0, vocab, (micro_batch * world * engine.grad_accum, seq + 1), generator=gen)
+        targets = ignore_some(rows[:, 1:], gen)
+        everyone = [(rows[i:i + micro_batch, :-1], targets[i:i + micro_batch])
+                    for i in range(0, len(rows), micro_batch)]
+        out.append(record_step(engine, everyone[rank::world], everyone))
+    return out
+
+
 def agreed_max(x: float) -> float:
     """The largest `x` over all ranks, the same on every rank (all pass or fail together)."""
     t = torch.tensor([x], dtype=torch.float64)

@@ -18,7 +18,7 @@ def hybrid_steps(sizes: tuple[int, ...], skip_replicas: bool = False) -> list[fl
     """Per S and stage 1-3, two steps of a GPT-2 and a Llama of odd widths, each held to one device's step;
     the largest fraction of a budget used. `skip_replicas` plants the bug of never averaging over them."""
     import zerofunc
-    from tests.steps import check_steps, ignore_some, record_step
+    from tests.steps import check_steps, drawn_steps
     from zerofunc.models import build_model, model_config
 
     used = []
@@ -39,14 +39,7 @@ def hybrid_steps(sizes: tuple[int, ...], skip_replicas: bool = False) -> list[fl
                     reduce = engine.replicas.all_reduce
                     engine.replicas.all_reduce = lambda t, tag="", mean=True, async_op=False: (
                         None if tag == "grads.replicas" else reduce(t, tag, mean, async_op))
-                world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-                gen = torch.Generator().manual_seed(11)  # the same batches on every rank
-                steps = []
-                for _ in range(2):
-                    rows = torch.randint(0, 256, (2 * world * 2, 11), generator=gen)
-                    targets = ignore_some(rows[:, 1:], gen)
-                    everyone = [(rows[i:i + 2, :-1], targets[i:i + 2]) for i in range(0, len(rows), 2)]
-                    steps.append(record_step(engine, everyone[rank::world], everyone))
+                steps = drawn_steps(engine, vocab=256, seq=10, seed=11)
                 used.append(check_steps(build_model(spec), steps, f"{type(spec).__name__} S={size} stage {stage}"))
     return used
 

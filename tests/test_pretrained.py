@@ -165,7 +165,7 @@ def finetune_steps(dirs: dict) -> int:
     """Per family (Llama: untied, GQA; Qwen2: tied, biases) and stage, two steps of 2 micro-steps from the
     files' weights, with ignored targets drawn, each held to one device's step (tests/steps.py)."""
     import zerofunc
-    from tests.steps import check_steps, ignore_some, record_step
+    from tests.steps import check_steps, drawn_steps
 
     checked = 0
     for family, path in dirs.items():
@@ -178,15 +178,8 @@ def finetune_steps(dirs: dict) -> int:
                 "zero_optimization": {"stage": stage},
                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-5,
                                                           "weight_decay": 0.1}}}, init=pretrained.weights(path, model))
-            rank, world = engine.comm.rank, engine.comm.world_size
             want = expected(pretrained.weights(path, model), model, file_tensors(path))
-            gen = torch.Generator().manual_seed(7)  # the same batches on every rank
-            steps = []
-            for _ in range(2):
-                rows = torch.randint(0, 300, (2 * world * 2, 10), generator=gen)
-                targets = ignore_some(rows[:, 1:], gen)
-                everyone = [(rows[i:i + 2, :-1], targets[i:i + 2]) for i in range(0, len(rows), 2)]
-                steps.append(record_step(engine, everyone[rank::world], everyone))
+            steps = drawn_steps(engine, vocab=300, seq=9, seed=7)
             assert all(torch.equal(steps[0].params[n], want[n].float()) for n in want), f"{family} stage {stage}"
             check_steps(reference, steps, f"{family} from its files, stage {stage}")
             checked += 1

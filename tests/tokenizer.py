@@ -5,6 +5,8 @@ round-trips exactly) with `<|endoftext|>` as its special token, on whatever text
 """
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 from typing import Iterable
 
@@ -53,3 +55,13 @@ def _chunks(texts: Iterable[str]) -> Iterable[str]:
     for text in texts:
         for i in range(0, len(text), CHUNK_CHARS):
             yield text[i:i + CHUNK_CHARS]
+
+
+def write_corpus(root: Path, docs: list[str], jsonl_from: int) -> list[str]:
+    """Documents [:jsonl_from] as plain files in nested directories, the rest as lines of a .jsonl file that
+    sorts after them; the argument that names them all."""
+    for i, doc in enumerate(docs[:jsonl_from]):
+        (root / f"d{i % 3}").mkdir(parents=True, exist_ok=True)
+        (root / f"d{i % 3}" / f"{i:04d}.txt").write_bytes(doc.encode())
+    (root / "z.jsonl").write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs[jsonl_from:])))
+    return [str(root)]
