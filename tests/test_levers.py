@@ -79,7 +79,10 @@ def check_levers_planned_as_trained() -> int:
                 if offload:  # the optimizer leaves the device: m and v (fp32: the master was the weights)
                     assert measured.max_by_category["optimizer"] == 0 and measured.host_max_by_category["optimizer"] > 0
                     states = measured.host_max_by_category["optimizer"]  # master, m, v: 3 x 4 bytes per element
-                    assert plain.peak - measured.peak >= 2 * states // 3, f"{what}: the device peak did not fall"
+                    # "other" left out: the step's scalar all-reduces (the 8-byte token count) may still be held by a
+                    # gloo worker at the peak in one run and not the other (seen: 8 B, 1 run in ~15)
+                    fell = (plain.peak - plain.at_peak["other"]) - (measured.peak - measured.at_peak["other"])
+                    assert fell >= 2 * states // 3, f"{what}: the device peak did not fall"
                 checked += 1
     return checked
 
