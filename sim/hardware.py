@@ -20,27 +20,14 @@ from importlib import resources
 from pathlib import Path
 
 from sim.cost import Link
+from sim.network import group_link
+from sim.profile_fields import FIELDS, LINK_FIELDS, REQUIRED, check_fields
 
 ATTENTION_KERNELS = ("math", "flash", "efficient", "flash_cpu")
 PROFILES_ENV = "ZEROFUNC_PROFILES"  # the user's profiles file, overriding the default under ~/.config
 MEASURED = "measured: "             # the key of a source that says which figures were measured, and how
 
 # A profile's fields in profiles.json, and what each must hold
-FIELDS = {"description": "text", "memory_gib": "number", "reserved_gib": "number", "flops": "numbers",
-          "compute_efficiency": "number", "memory_bandwidth": "number", "devices_per_node": "count",
-          "intra_node": "link", "inter_node": "link", "attention": "text", "sources": "sources",
-          "host_memory_gib": "number", "host_link_bandwidth": "number", "cpu_adamw_params_per_s": "number",
-          "collective_staging": "numbers", "device_names": "texts", "op_overhead_s": "number",
-          "overlap_hidden": "number"}
-OPTIONAL = ("collective_staging", "device_names", "op_overhead_s", "overlap_hidden")
-REQUIRED = tuple(k for k in FIELDS if k not in OPTIONAL)
-LINK_FIELDS = {"alpha_s": "number", "bandwidth": "number", "op_bandwidth": "numbers", "op_seconds": "points",
-               "measured_ranks": "count"}
-_KIND_WORDS = {"number": "a number", "count": "a positive integer", "text": "a string", "texts": "a list of strings",
-               "numbers": "an object of numbers", "sources": "an object of strings", "link": "an object",
-               "points": "an object of lists of [bytes, seconds] pairs"}
-
-
 class ProfilesError(ValueError):
     """A profiles file that cannot be used, in one line that names it."""
 
@@ -55,8 +42,8 @@ class Profile:
     compute_efficiency: float      # the fraction of peak a real step's matmuls reach
     memory_bandwidth: float        # bytes/s
     devices_per_node: int
-    intra_node: Link
-    inter_node: Link
+    intra_node: Link               # the node's fabric: bus bandwidth per device
+    inter_node: Link               # one NIC (with nics_per_node), else the whole network between nodes
     attention: str
     collective_staging: dict[str, float]  # what the backend copies per collective, x payload, until it completes
     sources: dict[str, str]
@@ -71,11 +58,13 @@ class Profile:
     # (a GPU's copy engines and NCCL's own SMs: all of it; a CPU rank's one core: measured)
     op_overhead_s: float = 0.0
     overlap_hidden: float = 1.0
-    # substrings of the device name torch reports, to find the profile of a GPU
+    nics_per_node: int | None = None  # None: one network link between nodes (sim.network)
 
-    def link(self, world_size: int) -> Link:
-        """The ring's slowest hop: within a node if the group fits in one, else the network."""
-        return self.intra_node if world_size <= self.devices_per_node else self.inter_node
+    def link(self, size: int, stride: int = 1, world: int | None = None) -> Link:
+        """The link a group of `size` ranks, `stride` apart in a world of `world` (default: the
+        group's own), runs its collectives at, by the nodes it spans (sim.network)."""
+        return group_link(self.intra_node, self.inter_node, self.devices_per_node, self.nics_per_node,
+                          size, stride, world)
 
     @property
     def usable_bytes(self) -> int:
@@ -152,21 +141,12 @@ def _read_user(path: Path) -> dict:
         if not isinstance(entry, dict):
             raise ProfilesError(f"{path}: profile {name!r} is a {type(entry).__name__}, not an object of fields")
         try:
-            _check_fields(FIELDS, entry)
+            check_fields(FIELDS, entry)
             for side in ("intra_node", "inter_node"):
-                _check_fields(LINK_FIELDS, entry.get(side, {}))
+                check_fields(LINK_FIELDS, entry.get(side, {}))
         except ValueError as e:
             raise ProfilesError(f"{path}: profile {name!r}: {e}") from None
     return raw
-
-
-def _check_fields(kinds: dict[str, str], entry: dict) -> None:
-    unknown = sorted(set(entry) - set(kinds))
-    if unknown:
-        raise ValueError(f"unknown field(s) {', '.join(unknown)}; known: {', '.join(kinds)}")
-    for key, value in entry.items():
-        if not _is(kinds[key], value):
-            raise ValueError(f"{key} must be {_KIND_WORDS[kinds[key]]}, got {json.dumps(value)[:80]}")
 
 
 def _overlay(shipped: dict, user: dict) -> dict:
@@ -201,7 +181,7 @@ def _profile(name: str, p: dict, where: str) -> Profile:
         raise bad(f"missing field(s) {', '.join(missing)}" + ("" if name in _shipped() else
                                                              " (a profile not shipped must give every field)"))
     try:
-        _check_fields(FIELDS, p)
+        check_fields(FIELDS, p)
     except ValueError as e:
         raise bad(str(e)) from None
     if p["attention"] not in ATTENTION_KERNELS:
@@ -221,39 +201,17 @@ def _profile(name: str, p: dict, where: str) -> Profile:
                    sources=p["sources"], device_names=tuple(p.get("device_names", ())),
                    host_memory_bytes=int(p["host_memory_gib"] * 2**30),
                    host_link_bandwidth=p["host_link_bandwidth"], cpu_adamw_params_per_s=p["cpu_adamw_params_per_s"],
-                   op_overhead_s=p.get("op_overhead_s", 0.0), overlap_hidden=p.get("overlap_hidden", 1.0))
+                   op_overhead_s=p.get("op_overhead_s", 0.0), overlap_hidden=p.get("overlap_hidden", 1.0),
+                   nics_per_node=p.get("nics_per_node"))
 
 
 def _link(raw: dict) -> Link:
-    _check_fields(LINK_FIELDS, raw)
+    check_fields(LINK_FIELDS, raw)
     missing = [k for k in ("alpha_s", "bandwidth") if k not in raw]
     if missing:
         raise ValueError(f"missing field(s) {', '.join(missing)}")
     measured = {op: tuple((float(s), float(t)) for s, t in points) for op, points in raw.get("op_seconds", {}).items()}
     return Link(**{**raw, "op_seconds": measured})
-
-
-def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _is(kind: str, x) -> bool:
-    if kind == "number":
-        return _number(x)
-    if kind == "count":
-        return isinstance(x, int) and not isinstance(x, bool) and x >= 1
-    if kind == "text":
-        return isinstance(x, str)
-    if kind == "texts":
-        return isinstance(x, list) and all(isinstance(v, str) for v in x)
-    if kind == "numbers":
-        return isinstance(x, dict) and all(_number(v) for v in x.values())
-    if kind == "sources":
-        return isinstance(x, dict) and all(isinstance(v, str) for v in x.values())
-    if kind == "points":
-        return isinstance(x, dict) and all(isinstance(pts, list) and all(
-            isinstance(pt, list) and len(pt) == 2 and all(map(_number, pt)) for pt in pts) for pts in x.values())
-    return isinstance(x, dict)  # "link": its own fields are checked by _link
 
 
 def profile_for_device(device_name: str) -> Profile:

@@ -238,9 +238,9 @@ def simulate(plan: Plan, timeline: bool = False, timing: bool = True, kernel_cac
     replicas = None
     if plan.hybrid_group is None:
         comm = RecordingCommunicator(0, plan.world_size, staging=profile.collective_staging, link=links["world"])
-    else:  # shard groups of consecutive ranks: within a node when they fit; the replicas span the world
-        s = plan.hybrid_group
-        links |= {"shard": profile.link(s), "replicas": profile.link(plan.world_size)}
+    else:  # shard groups of consecutive ranks; a replica group takes every s-th rank (sim.network)
+        s, n = plan.hybrid_group, plan.world_size
+        links |= {"shard": profile.link(s, 1, n), "replicas": profile.link(n // s, s, n)}
         comm = RecordingCommunicator(0, s, staging=profile.collective_staging, link=links["shard"])
         replicas = RecordingCommunicator(0, plan.world_size // s, ledger=comm.ledger,
                                          staging=profile.collective_staging, link=links["replicas"])

@@ -1,0 +1,151 @@
+"""The planner against published runs: each run's configuration planned, side by side with what
+its authors measured (tokens/s per GPU, memory), and the weak scaling between runs that differ only
+in GPU count.
+
+    python benchmarks/published.py [--json]
+
+Nothing here is fitted: the profiles' figures come from datasheets and nccl-tests (their sources
+are in sim/profiles.json), and these runs are the test of them. Where a figure of a run's hardware
+is only known between bounds (the 500 W H100's peak), the row is also planned at each bound.
+
+Every run is FSDP (ZeRO stage 3) in bf16 with AdamW; "published GiB" is the memory the run logged
+(torchtitan: the allocator's peak reserved), against the planner's peak of live tensors.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sim.hardware import PROFILES_ENV  # noqa: E402
+from zerofunc.models.llama import LlamaConfig  # noqa: E402
+from zerofunc.plan import Plan, simulate  # noqa: E402
+
+TITAN_H100 = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
+TITAN_A100 = "torchtitan docs/performance.md (64 A100 80GB; network not published)"
+# Llama 2's published shapes (their config.json), which zerofunc has no preset for
+LLAMA2_13B = LlamaConfig(n_layer=40, n_head=40, n_embd=5120, intermediate_size=13824, vocab_size=32000,
+                         block_size=4096, rms_norm_eps=1e-5, rope_theta=10000.0)
+LLAMA2_70B = LlamaConfig(n_layer=80, n_head=64, n_kv_head=8, n_embd=8192, intermediate_size=28672,
+                         vocab_size=32000, block_size=4096, rms_norm_eps=1e-5, rope_theta=10000.0)
+
+# The published bounds of a peak known only between two parts (sim/profiles.json says why)
+FLOPS_BOUNDS = {"h100-sxm-96gb-500w": {"H100 NVL": {"bf16": 835e12, "fp16": 835e12, "fp32": 60e12},
+                                       "H100 SXM": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}}}
+
+
+@dataclass(frozen=True)
+class Run:
+    source: str
+    label: str
+    model: object
+    hardware: str
+    gpus: int
+    micro_batch: int
+    seq: int
+    checkpointing: str      # zerofunc's: none, full, selective (one block in ac_every)
+    tokens_per_s: float     # per GPU, published
+    gib: Optional[float] = None
+    unmodelled: tuple[str, ...] = field(default=())  # what the run did that the planner does not model
+
+    def plan(self) -> Plan:
+        return Plan(world_size=self.gpus, stage=3, model=self.model, precision="bf16", micro_batch=self.micro_batch,
+                    seq=self.seq, hardware=self.hardware, activation_checkpointing=self.checkpointing)
+
+
+OP_SAC = "op-level selective AC (saves every second matmul's output), planned as one block in 2 recomputed"
+RUNS = [
+    Run(TITAN_H100, "Llama-3.1-8B FSDP, 8 GPUs", "llama3-8b", "h100-sxm-96gb-500w", 8, 2, 8192, "selective",
+        5762, 82.4, (OP_SAC,)),
+    Run(TITAN_H100, "Llama-3.1-8B FSDP, 128 GPUs", "llama3-8b", "h100-sxm-96gb-500w", 128, 2, 8192, "selective",
+        5605, 67.0, (OP_SAC,)),
+    Run(TITAN_A100, "Llama-3-8B, selective layer AC", "llama3-8b", "a100-sxm", 64, 1, 8192, "selective", 2904),
+    Run(TITAN_A100, "Llama-3-8B, selective op AC", "llama3-8b", "a100-sxm", 64, 1, 8192, "selective", 2973, None,
+        (OP_SAC,)),
+    Run(TITAN_A100, "Llama-3-70B, full AC", "llama3-70b", "a100-sxm", 64, 1, 8192, "full", 331),
+    Run(TITAN_A100, "Llama-2-13B, no AC", LLAMA2_13B, "a100-sxm", 64, 2, 4096, "none", 2162),
+    Run(TITAN_A100, "Llama-2-13B, selective layer AC", LLAMA2_13B, "a100-sxm", 64, 2, 4096, "selective", 1914),
+    Run(TITAN_A100, "Llama-2-70B, full AC", LLAMA2_70B, "a100-sxm", 64, 2, 4096, "full", 353),
+]
+# (label of the smaller run, label of the larger): runs that differ only in GPU count
+WEAK_SCALING = [("Llama-3.1-8B FSDP, 8 GPUs", "Llama-3.1-8B FSDP, 128 GPUs")]
+
+
+@contextlib.contextmanager
+def flops_of(hardware: str, flops: dict):
+    """Plan on `hardware` with its peak FLOP/s replaced: a user profiles file of one field, for now."""
+    was = os.environ.get(PROFILES_ENV)
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "profiles.json"
+        path.write_text(json.dumps({hardware: {"flops": flops}}))
+        os.environ[PROFILES_ENV] = str(path)
+        try:
+            yield
+        finally:
+            os.environ.pop(PROFILES_ENV) if was is None else os.environ.__setitem__(PROFILES_ENV, was)
+
+
+def planned(run: Run) -> dict:
+    sim = simulate(run.plan())
+    return {"tokens_per_s": run.micro_batch * run.seq / sim.step_s, "gib": sim.memory.peak / 2**30,
+            "step_s": sim.step_s, "compute_s": sim.compute_s, "comm_s": sim.comm_s,
+            "exposed_comm_s": sim.step_s - sim.compute_s}
+
+
+def row(run: Run) -> dict:
+    out = {"source": run.source, "run": run.label, "hardware": run.hardware, "gpus": run.gpus,
+           "published_tokens_per_s": run.tokens_per_s, "published_gib": run.gib,
+           "unmodelled": list(run.unmodelled), **planned(run)}
+    out["ratio"] = out["tokens_per_s"] / run.tokens_per_s
+    out["published_step_s"] = run.micro_batch * run.seq / run.tokens_per_s
+    out["bounds"] = {}
+    for part, flops in FLOPS_BOUNDS.get(run.hardware, {}).items():
+        with flops_of(run.hardware, flops):
+            out["bounds"][part] = planned(run)["tokens_per_s"] / run.tokens_per_s
+    return out
+
+
+def print_table(rows: list[dict]) -> None:
+    head = (f"{'run':32} {'hardware':19} {'GPUs':>4} {'planned':>8} {'published':>9} {'ratio':>6} "
+            f"{'at bounds':>11} {'step s':>6} {'compute':>7} {'published':>9} {'planned GiB':>11} {'published GiB':>13}")
+    print(head)
+    for r in rows:
+        bounds = "-".join(f"{v:.2f}" for v in r["bounds"].values()) or "-"
+        pub_gib = f"{r['published_gib']:.1f}" if r["published_gib"] else "-"
+        print(f"{r['run']:32} {r['hardware']:19} {r['gpus']:>4} {r['tokens_per_s']:8,.0f} "
+              f"{r['published_tokens_per_s']:9,.0f} {r['ratio']:6.2f} {bounds:>11} "
+              f"{r['step_s']:6.2f} {r['compute_s']:7.2f} {r['published_step_s']:9.2f} {r['gib']:11.1f} {pub_gib:>13}")
+    print("\ntokens/s per GPU; ratio = planned / published; at bounds: the ratio with the hardware's peak at "
+          "each published bound;\nstep s: the planned step, of which compute (the roofline's, recomputation included), "
+          "and the published step (its tokens over its tokens/s)")
+    for small, large in WEAK_SCALING:
+        a, b = (next(r for r in rows if r["run"] == label) for label in (small, large))
+        print(f"weak scaling {a['gpus']} -> {b['gpus']} GPUs: planned {b['tokens_per_s'] / a['tokens_per_s']:.1%}, "
+              f"published {b['published_tokens_per_s'] / a['published_tokens_per_s']:.1%}")
+    unmodelled = sorted({u for r in rows for u in r["unmodelled"]})
+    for u in unmodelled:
+        print(f"not modelled: {u}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print the rows as JSON instead")
+    args = ap.parse_args(argv)
+    rows = [row(run) for run in RUNS]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print_table(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
