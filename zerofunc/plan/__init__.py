@@ -172,6 +172,7 @@ class Simulation:
     comm_s: float
     overlapped_comm_s: float = 0.0  # the part of comm_s launched asynchronously
     offload_s: dict = field(default_factory=lambda: {"host": 0.0, "d2h": 0.0, "h2d": 0.0})  # optimizer offload
+    timed: bool = True         # False: simulated for memory only (compute_s and flops are 0)
 
     @property
     def step_s(self) -> float:
@@ -260,7 +261,7 @@ def simulate(plan: Plan, timeline: bool = False, timing: bool = True, kernel_cac
     ledger = list(comm.ledger)
     return Simulation(plan, engine.numel, tracker.report(), ledger, roofline.flops, roofline.time_s,
                       ledger_time(ledger, links), ledger_time([e for e in ledger if e.overlapped], links),
-                      dict(roofline.elsewhere_s))
+                      dict(roofline.elsewhere_s), timing)
 
 
 def _meta_batch(plan: Plan, model: nn.Module) -> tuple[torch.Tensor, ...] | dict[str, torch.Tensor]:

@@ -21,8 +21,8 @@ from zerofunc.models import MODELS
 from zerofunc.overlap import Overlap
 from zerofunc.plan import Plan
 from zerofunc.plan.plot import plot
-from zerofunc.plan.report import (GiB, as_json, as_table, lever_configs, lever_costs, recommend, report_stages,
-                                  smallest_fitting, world_size_candidates)
+from zerofunc.plan.report import GiB, as_json, as_table, recommend
+from zerofunc.plan.search import lever_configs, lever_costs, report_stages, smallest_fitting, world_size_candidates
 from zerofunc.recompute import MODES
 from zerofunc.usage import PROFILES_HELP, ArgumentParser, profiles_flag
 
@@ -64,9 +64,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host-memory", type=float, default=None,
                    help="host memory per rank in GiB, for offload (default: the hardware's)")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's context)")
-    p.add_argument("--shard-group", type=int, default=None, metavar="S",
+    p.add_argument("--shard-group", default=None, metavar="S",
                    help="hybrid sharding: stages 1-3 shard within groups of S consecutive ranks and average the "
-                        "gradient shards over the groups once per step (default: the whole world)")
+                        "gradient shards over the groups once per step (default: the whole world); auto: the "
+                        "smallest group that fits (a divisor of the world within a node, then whole nodes), "
+                        "then the fastest")
     p.add_argument("--grad-accum", type=int, default=1, metavar="K",
                    help="micro-steps per optimizer step (default 1); the step planned runs all K")
     p.add_argument("--precision", default="bf16", help="fp32, bf16 or fp16")
@@ -106,11 +108,12 @@ def main(argv: list[str] | None = None) -> int:
         if a.plot is not None and not os.path.isdir(os.path.dirname(a.plot) or "."):  # before minutes of planning
             raise ValueError(f"--plot {a.plot!r}: its directory {os.path.dirname(a.plot)!r} does not exist")
         stages = sorted(set(a.stage)) if a.stage else [0, 1, 2, 3]
-        sizes, candidates = world_sizes(a.world_size, a.gpus_per_node, a.max_world_size)
+        shard_group, shard_auto = shard_group_arg(a.shard_group)
+        sizes, candidates = world_sizes(a.world_size, a.gpus_per_node, a.max_world_size, shard_group)
         auto = a.levers == "auto"
         base = Plan(world_size=sizes[0], stage=stages[0], model=None if a.params is not None else a.model,
                     params=a.params, precision=a.precision, micro_batch=a.micro_batch or 1,
-                    grad_accum=a.grad_accum, shard_group=a.shard_group, seq=a.seq,
+                    grad_accum=a.grad_accum, shard_group=shard_group, seq=a.seq,
                     hardware=a.hardware, prefetch_depth=a.prefetch_depth,
                     bucket_bytes=int(a.bucket_mb * 2**20),
                     activation_checkpointing=a.activation_checkpointing or "none", ac_every=a.ac_every,
@@ -132,14 +135,16 @@ def main(argv: list[str] | None = None) -> int:
     capacity = int(a.gpu_memory * GiB) if a.gpu_memory is not None else base.profile.usable_bytes
     host = int(a.host_memory * GiB) if a.host_memory is not None else base.profile.host_memory_bytes
     cap = MAX_AUTO_MICRO_BATCH if auto and a.micro_batch is None and blocks else None
+    per_node = (a.gpus_per_node or base.profile.devices_per_node) if shard_auto else None
     if auto and candidates is not None:
         # the fewest ranks any configuration fits on is where the most frugal one does; there, every one
         frugal = max(configs, key=lambda c: (c.stage, c.checkpointing.mode == "full", c.offload_optimizer))
         n = smallest_fitting(frugal, capacity, candidates, host, cap)
         plans = [replace(c, world_size=n.sim.plan.world_size) for c in configs]
-        reports = [replace(r, beyond=n.beyond) for r in report_stages(plans, capacity, a.plot is not None, None, host, cap)]
+        reports = [replace(r, beyond=n.beyond)
+                   for r in report_stages(plans, capacity, a.plot is not None, None, host, cap, per_node)]
     else:
-        reports = report_stages(plans, capacity, a.plot is not None, candidates, host, cap)
+        reports = report_stages(plans, capacity, a.plot is not None, candidates, host, cap, per_node)
     best = recommend(reports)
     costs = lever_costs(best) if auto and best is not None else []
     if a.plot is not None:
@@ -156,12 +161,27 @@ def main(argv: list[str] | None = None) -> int:
         ranks = f"{sizes[0]} ranks" if len(sizes) == 1 else f"ranks: {', '.join(map(str, sizes))}"
     print(json.dumps(as_json(base, reports, capacity, costs, a.gpus_per_node), indent=2) if a.json else
           as_table(base, reports, capacity, ranks, costs, order=auto, micro_batch_auto=cap is not None,
-                   gpus_per_node=a.gpus_per_node))
+                   gpus_per_node=a.gpus_per_node, shard_auto=shard_auto))
     return 0
 
 
-def world_sizes(spec: str, gpus_per_node: int | None, max_world_size: int) -> tuple[list[int], list[int] | None]:
-    """The world sizes to plan, and for `auto` the candidates to search (else None)."""
+def shard_group_arg(spec: str | None) -> tuple[int | None, bool]:
+    """--shard-group: (the group's size, or None for the whole world or auto; whether it is auto)."""
+    if spec is None or spec.strip().lower() == "auto":
+        return None, spec is not None
+    try:
+        size = int(spec)
+    except ValueError:
+        raise ValueError(f"--shard-group takes a number of ranks or auto, not {spec!r}") from None
+    if not 1 <= size <= MAX_WORLD_SIZE:
+        raise ValueError(f"--shard-group must lie in [1, {MAX_WORLD_SIZE}], got {size}")
+    return size, False
+
+
+def world_sizes(spec: str, gpus_per_node: int | None, max_world_size: int,
+                shard_group: int | None = None) -> tuple[list[int], list[int] | None]:
+    """The world sizes to plan, and for `auto` the candidates to search (else None): with a fixed
+    shard group, those it divides."""
     if gpus_per_node is not None and gpus_per_node < 1:
         raise ValueError(f"--gpus-per-node must be at least 1, got {gpus_per_node}")
     if max_world_size < 1:
@@ -169,7 +189,10 @@ def world_sizes(spec: str, gpus_per_node: int | None, max_world_size: int) -> tu
     if max_world_size > MAX_WORLD_SIZE:
         raise ValueError(f"--max-world-size must be at most {MAX_WORLD_SIZE}, got {max_world_size}")
     if spec.strip().lower() == "auto":
-        candidates = world_size_candidates(max_world_size, gpus_per_node)
+        candidates = [n for n in world_size_candidates(max_world_size, gpus_per_node) if n % (shard_group or 1) == 0]
+        if not candidates:
+            raise ValueError(f"no world size to try is a multiple of --shard-group {shard_group} "
+                             f"(up to --max-world-size {max_world_size})")
         return candidates[:1], candidates
     try:
         sizes = sorted({int(part) for part in spec.split(",")})

@@ -1,19 +1,13 @@
-"""What python -m zerofunc.plan reports: one row per plan (a stage, its levers), as a table or JSON (the plot: plot.py).
-
-With `--levers auto` the plans are every stage x activation checkpointing x optimizer
-offload, each at the largest micro-batch that fits (`search_levers`); the best is the
-one with the most tokens/s that fits, and what its levers cost is measured by planning
-it once more with each of them off (`lever_costs`).
+"""What python -m zerofunc.plan reports: one row per plan (a stage, its levers), as a table or JSON
+(the plot: plot.py; the searches that choose each plan: search.py). The best is the plan on the
+fewest ranks that fits, there the one with the most tokens/s.
 """
 from __future__ import annotations
 
-import multiprocessing
-import os
-from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
 
-from zerofunc.plan import MemoryLines, Plan, Simulation, simulate
+from zerofunc.plan import Plan, Simulation
 from zerofunc.plan.command import command, command_lines
 
 GiB = 2**30
@@ -71,101 +65,12 @@ class StageReport:
         }
 
 
-def report_stage(plan: Plan, capacity: int, timeline: bool = False, host_capacity: Optional[int] = None,
-                 micro_batch_cap: Optional[int] = None) -> StageReport:
-    """Simulate `plan`, and (for a model) find the largest micro-batch that fits `capacity`.
-
-    The largest micro-batch comes from the memory lines of micro-batches 1 and 2; when
-    one sequence alone does not fit, it is 0 and the second simulation is skipped.
-    With `micro_batch_cap`, the plan's micro-batch is chosen instead: the largest power
-    of two that fits, up to the cap. Under the cost model the time per token never rises
-    with the micro-batch (fixed costs spread over more tokens), so that is the fastest;
-    a power of two keeps global batches round. A plan where nothing fits is reported at
-    micro-batch 1, for memory only.
-    """
-    if plan.params is not None:
-        return StageReport(simulate(plan, timeline=timeline), capacity, None, host_capacity=host_capacity)
-    auto = micro_batch_cap is not None
-    one = simulate(replace(plan, micro_batch=1), timeline=True, timing=plan.micro_batch == 1 and not auto)
-    sims = {1: one}
-    if not one.fits(capacity, host_capacity):
-        max_micro_batch = 0
-    else:
-        sims[2] = simulate(replace(plan, micro_batch=2), timeline=True, timing=plan.micro_batch == 2 and not auto)
-        max_micro_batch = MemoryLines.of(one, sims[2]).max_micro_batch(capacity)
-    if auto:
-        if max_micro_batch == 0:
-            return StageReport(one, capacity, 0, host_capacity=host_capacity, timed=False)
-        plan = replace(plan, micro_batch=1 << (min(max_micro_batch, micro_batch_cap).bit_length() - 1))
-        return StageReport(simulate(plan, timeline=timeline), capacity, max_micro_batch, host_capacity=host_capacity)
-    sim = sims[plan.micro_batch] if plan.micro_batch in sims else simulate(plan, timeline=timeline)
-    return StageReport(sim, capacity, max_micro_batch, host_capacity=host_capacity)
-
-
 def recommend(reports: list[StageReport]) -> Optional[StageReport]:
     """Of the plans that fit, the one on the fewest ranks, and there the most tokens/s (the fastest
     step, for model states only); ties go to the lower peak memory."""
     fitting = [r for r in reports if r.fits]
     return min(fitting, key=lambda r: (r.sim.plan.world_size, -round(r.tokens_per_s, 3), round(r.sim.step_s, 9),
                                        r.sim.memory.peak), default=None)
-
-
-def lever_configs(base: Plan, stages: list[int], checkpointing: list[str], offload: list[bool]) -> list[Plan]:
-    """Every stage x activation checkpointing x optimizer offload asked for (offload needs stage >= 1)."""
-    return [replace(base, stage=s, activation_checkpointing=ac, offload_optimizer=off)
-            for s in stages for ac in checkpointing for off in offload if not (off and s == 0)]
-
-
-def lever_costs(best: StageReport) -> list[tuple[str, StageReport]]:
-    """The recommended plan once more with each of its levers off (same stage, ranks, micro-batch):
-    (what was turned off, that plan's report), to say what each lever costs and saves."""
-    p = best.sim.plan
-    off = []
-    if p.checkpointing.on:
-        off.append((f"activation checkpointing ({p.checkpointing.describe()})", replace(p, activation_checkpointing="none")))
-    if p.offload_optimizer:
-        off.append(("optimizer offload", replace(p, offload_optimizer=False)))
-    return [(name, StageReport(simulate(q), best.capacity, None, host_capacity=best.host_capacity)) for name, q in off]
-
-
-def world_size_candidates(max_world_size: int, gpus_per_node: Optional[int] = None) -> list[int]:
-    """The world sizes `auto` tries: powers of two, and past one node whole nodes only."""
-    powers = [1 << i for i in range(max_world_size.bit_length()) if 1 << i <= max_world_size]
-    if gpus_per_node is None:
-        return powers
-    within = [n for n in powers if n < gpus_per_node]
-    return within + list(range(gpus_per_node, max_world_size + 1, gpus_per_node))
-
-
-def smallest_fitting(plan: Plan, capacity: int, candidates: list[int], host_capacity: Optional[int] = None,
-                     micro_batch_cap: Optional[int] = None) -> StageReport:
-    """The report of `plan` at the smallest candidate world size whose step fits `capacity`.
-
-    Binary search over the candidates: more ranks do not need more memory per rank
-    (they shard more, activations stay; only the padding of each unit to equal shards
-    grows, by under one element per rank). If none fits, the report at the largest
-    candidate, which says by how much. Each probe is at micro-batch 1 when the report
-    chooses the micro-batch (`micro_batch_cap`), else at the plan's.
-    """
-    probe = replace(plan, micro_batch=1) if micro_batch_cap is not None else plan
-
-    def fits(n: int) -> bool:
-        return simulate(replace(probe, world_size=n), timing=False).fits(capacity, host_capacity)
-
-    def report(n: int, beyond: bool = False) -> StageReport:
-        r = report_stage(replace(plan, world_size=n), capacity, host_capacity=host_capacity, micro_batch_cap=micro_batch_cap)
-        return replace(r, beyond=beyond)
-
-    lo, hi = 0, len(candidates) - 1
-    if not fits(candidates[hi]):
-        return report(candidates[hi], beyond=True)
-    while lo < hi:  # invariant: candidates[hi] fits
-        mid = (lo + hi) // 2
-        if fits(candidates[mid]):
-            hi = mid
-        else:
-            lo = mid + 1
-    return report(candidates[hi])
 
 
 # A plan simulates the eager step: torch.compile cannot run on meta tensors here, and would change the
@@ -213,7 +118,7 @@ def _rate(tokens_per_s: float) -> str:
 
 def as_table(plan: Plan, reports: list[StageReport], capacity: int, ranks: Optional[str] = None,
              costs: Optional[list[tuple[str, StageReport]]] = None, order: bool = False,
-             micro_batch_auto: bool = False, gpus_per_node: Optional[int] = None) -> str:
+             micro_batch_auto: bool = False, gpus_per_node: Optional[int] = None, shard_auto: bool = False) -> str:
     """`ranks` says which world sizes were planned (default: the plan's). `order` lists the plans
     that fit first, the most tokens/s first (a lever search); else in the given order. The
     recommendation comes with the command that trains it (command.py)."""
@@ -227,19 +132,23 @@ def as_table(plan: Plan, reports: list[StageReport], capacity: int, ranks: Optio
         what = f"{numel:,} parameters, model states only"
     if plan.shard_group is not None:
         what += f", stages 1-3 sharded within groups of {plan.shard_group} ranks"
+    elif shard_auto:
+        what += ", stages 1-3 sharded within the group that fits and runs fastest (shard: its ranks)"
     ranks = ranks or f"{plan.world_size} ranks"
     host = reports[0].host_capacity
     head = (f"{what}, {ranks}, {plan.precision}, {plan.hardware} ({_gib(capacity)} GiB usable per rank"
             + (f", {_gib(host)} GiB of host memory per rank)" if host is not None else ")"))
     if order:
         reports = sorted(reports, key=lambda r: (not r.fits, -r.tokens_per_s, r.sim.memory.peak))
-    cols = ["stage", "ranks", "levers", "mb", "params", "grads", "optim", "activ", "buffers", "peak GiB", "host GiB",
-            "comm/step GiB", "comm time", "step time", "tokens/s", "fits", "max mb"]
+    hybrid = any(r.sim.plan.hybrid_group for r in reports)  # a column of shard groups where any plan has them
+    cols = ["stage", "ranks", *(["shard"] if hybrid else []), "levers", "mb", "params", "grads", "optim", "activ",
+            "buffers", "peak GiB", "host GiB", "comm/step GiB", "comm time", "step time", "tokens/s", "fits", "max mb"]
     rows = []
     for r in reports:
         m, p = r.sim.memory.max_by_category, r.sim.plan
         ranks = f">{p.world_size}" if r.beyond else str(p.world_size)
-        rows.append([str(p.stage), ranks, p.levers, "-" if p.params is not None else str(p.micro_batch),
+        shard = [str(p.hybrid_group or p.world_size)] if hybrid else []
+        rows.append([str(p.stage), ranks, *shard, p.levers, "-" if p.params is not None else str(p.micro_batch),
                      _gib(m["params"]), _gib(m["grads"]), _gib(m["optimizer"]), _gib(m["activations"]),
                      _gib(m["buffers"]), _gib(r.sim.memory.peak), _gib(r.sim.memory.host_peak),
                      _gib(r.sim.volume_bytes), _time(r.sim.comm_s), _time(r.sim.step_s) if r.timed else "-",
@@ -254,7 +163,8 @@ def as_table(plan: Plan, reports: list[StageReport], capacity: int, ranks: Optio
         b = best.sim.plan
         levers = f", levers: {b.levers}" if order or b.levers != "none" else ""
         mb = f", micro-batch {b.micro_batch}" if micro_batch_auto and b.params is None else ""
-        verdict = (f"recommended: stage {b.stage} on {b.world_size} ranks{levers}{mb} "
+        groups = f" in shard groups of {b.hybrid_group}" if b.hybrid_group else ""
+        verdict = (f"recommended: stage {b.stage} on {b.world_size} ranks{groups}{levers}{mb} "
                    f"(the fewest ranks that fit; there, the most tokens/s)")
     lines = [head, "", line(cols), *(line(row) for row in rows), "", verdict,
              *(command_lines(best.sim.plan, gpus_per_node) if best is not None else [])]
@@ -288,23 +198,3 @@ def _nothing_fits(reports: list[StageReport]) -> str:
     return (f"nothing fits: the least memory is stage {p.stage}'s {_gib(m.peak)} GiB per rank on "
             f"{p.world_size} ranks (levers: {p.levers}), {_gib(m.max_by_category['activations'])} GiB of it activations, "
             f"which more ranks do not shrink{why}; lower the micro-batch or sequence, or use a larger device")
-
-
-def report_stages(plans: list[Plan], capacity: int, timeline: bool = False,
-                  candidates: Optional[list[int]] = None, host_capacity: Optional[int] = None,
-                  micro_batch_cap: Optional[int] = None) -> list[StageReport]:
-    """`report_stage` for each plan, spread over the machine's cores (the plans are independent).
-
-    With `candidates`, each plan is reported at the smallest of those world sizes that fits;
-    with `micro_batch_cap`, at the largest micro-batch that fits (see `report_stage`).
-    """
-    n = len(plans)
-    if candidates is None:
-        work = (report_stage, plans, [capacity] * n, [timeline] * n, [host_capacity] * n, [micro_batch_cap] * n)
-    else:
-        work = (smallest_fitting, plans, [capacity] * n, [candidates] * n, [host_capacity] * n, [micro_batch_cap] * n)
-    workers = min(n, os.cpu_count() or 1)
-    if workers <= 1 or any(p.foreign for p in plans):  # a model callable need not pickle
-        return list(map(*work))
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-        return list(pool.map(*work))

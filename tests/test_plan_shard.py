@@ -1,0 +1,84 @@
+"""python -m zerofunc.plan --shard-group auto: the smallest shard group that fits, then the fastest,
+checked against every candidate simulated on its own."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from zerofunc.plan import Plan, simulate
+from zerofunc.plan.__main__ import main as plan_main
+from zerofunc.plan.search import shard_group_candidates
+
+MiB = 2**20
+
+
+def run_plan(capsys, *argv):
+    code = plan_main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize("world, per_node, expected", [
+    (64, 8, [1, 2, 4, 8, 16, 32, 64]),   # within a node, then whole nodes
+    (24, 8, [1, 2, 3, 4, 6, 8, 24]),     # 16 does not divide 24; 12 is not whole nodes
+    (12, 8, [1, 2, 3, 4, 6, 12]),        # 8 does not divide 12: the world itself
+    (4, 8, [1, 2, 4]),
+])
+def test_shard_group_candidates(world, per_node, expected):
+    assert shard_group_candidates(world, per_node) == expected
+
+
+def test_shard_group_auto_is_the_smallest_that_fits_then_the_fastest(capsys):
+    """llama-tiny on 16 ranks of a one-NIC network (rtx2080ti-pcie: 8 per node, 1.1 GB/s between
+    nodes) at 3.5 MiB per rank: groups of 1 and 2 do not fit, and at stages 1 and 2 a group of 8
+    (inside a node) is quicker than one of 4 (whose replicas cross the network at 1.1 GB/s)."""
+    world, capacity, candidates = 16, 3.5 * MiB, [1, 2, 4, 8, 16]
+    code, out, err = run_plan(capsys, "--model", "llama-tiny", "--world-size", str(world), "--shard-group", "auto",
+                              "--seq", "64", "--micro-batch", "1", "--levers", "none", "--hardware", "rtx2080ti-pcie",
+                              "--gpu-memory", str(capacity / 2**30), "--stage", "1", "--stage", "2", "--stage", "3",
+                              "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    chosen = {}
+    for row in doc["stages"]:
+        def sim(s):
+            return simulate(Plan(world_size=world, stage=row["stage"], model="llama-tiny", seq=64, shard_group=s,
+                                 hardware="rtx2080ti-pcie"))
+        sims = {c: sim(c) for c in candidates}
+        fitting = [c for c in candidates if sims[c].memory.peak <= capacity]
+        assert fitting == candidates[candidates.index(fitting[0]):] and fitting[0] > 1  # larger groups fit too
+        s = row["shard_group"]
+        assert row["fits"] and s in fitting
+        assert all(sims[c].step_s > sims[s].step_s or (sims[c].step_s == sims[s].step_s and c > s) for c in fitting
+                   if c != s), "the fastest of the groups that fit, the smaller on a tie"
+        chosen[row["stage"]] = s
+    assert chosen[1] == 8, "the case should make the fastest group larger than the smallest that fits"
+    best = doc["recommended"]
+    assert best["shard_group"] < world and "--shard-group" in doc["recommended_command"]
+    assert doc["recommended_command"][doc["recommended_command"].index("--shard-group") + 1] == str(best["shard_group"])
+
+
+def test_shard_group_auto_names_the_group_in_the_table(capsys):
+    code, out, _ = run_plan(capsys, "--model", "llama-tiny", "--world-size", "16", "--shard-group", "auto",
+                            "--seq", "64", "--micro-batch", "1", "--levers", "none", "--hardware", "rtx2080ti-pcie",
+                            "--gpu-memory", str(3.5 * MiB / 2**30), "--stage", "3")
+    assert code == 0
+    header = next(line for line in out.splitlines() if line.startswith("stage"))
+    row = out.splitlines()[out.splitlines().index(header) + 1].split()
+    s = row[header.split().index("shard")]
+    assert f"recommended: stage 3 on 16 ranks in shard groups of {s} " in out and int(s) < 16
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--shard-group", "x"], "--shard-group takes a number of ranks or auto, not 'x'"),
+    (["--shard-group", "0"], "--shard-group must lie in [1,"),
+    (["--shard-group", "3"], "a shard group of 3 ranks does not divide the world of 4"),
+    (["--shard-group", "3", "--world-size", "auto", "--max-world-size", "2"], "no world size to try is a multiple"),
+])
+def test_shard_group_bad_input(capsys, argv, message):
+    args = ["--model", "llama-tiny", "--world-size", "4", "--seq", "64", "--levers", "none"]
+    if "--world-size" in argv:
+        args = args[:2] + args[4:]
+    code, out, err = run_plan(capsys, *args, *argv)
+    assert code == 2 and not out and err.count("\n") == 1 and message in err

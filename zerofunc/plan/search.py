@@ -1,0 +1,183 @@
+"""The searches behind python -m zerofunc.plan: each plan at its largest micro-batch that fits
+(`report_stage`), the fewest ranks that fit (`smallest_fitting`), the shard group (`best_shard_group`),
+and what each lever costs (`lever_costs`). With `--levers auto` the plans are every stage x activation
+checkpointing x optimizer offload (`lever_configs`); report.py says which is best.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
+from typing import Optional
+
+from zerofunc.plan import MemoryLines, Plan, Simulation, simulate
+from zerofunc.plan.report import StageReport
+
+
+_SIMULATED: dict[Plan, Simulation] = {}  # this process's simulations (a forked worker inherits them)
+MAX_SIMULATED = 128
+
+
+def simulated(plan: Plan, timeline: bool = True, timing: bool = True) -> Simulation:
+    """`simulate(plan)`, once per plan in this process where one simulation answers both asks: the
+    searches probe a plan for memory, then report it, then cost its levers."""
+    try:
+        have = _SIMULATED.get(plan)
+    except TypeError:  # a plan of an unhashable model: simulated each time
+        return simulate(plan, timeline=timeline, timing=timing)
+    if have is not None and (have.timed or not timing):
+        return have
+    if len(_SIMULATED) >= MAX_SIMULATED:
+        _SIMULATED.clear()
+    # the timeline always: it costs little, and a probe's simulation then serves the report's memory lines
+    _SIMULATED[plan] = sim = simulate(plan, timeline=True, timing=timing)
+    return sim
+
+
+def report_stage(plan: Plan, capacity: int, timeline: bool = False, host_capacity: Optional[int] = None,
+                 micro_batch_cap: Optional[int] = None) -> StageReport:
+    """Simulate `plan`, and (for a model) find the largest micro-batch that fits `capacity`.
+
+    The largest micro-batch comes from the memory lines of micro-batches 1 and 2; when
+    one sequence alone does not fit, it is 0 and the second simulation is skipped.
+    With `micro_batch_cap`, the plan's micro-batch is chosen instead: the largest power
+    of two that fits, up to the cap. Under the cost model the time per token never rises
+    with the micro-batch (fixed costs spread over more tokens), so that is the fastest;
+    a power of two keeps global batches round. A plan where nothing fits is reported at
+    micro-batch 1, for memory only.
+    """
+    if plan.params is not None:
+        return StageReport(simulated(plan, timeline=timeline), capacity, None, host_capacity=host_capacity)
+    auto = micro_batch_cap is not None
+    one = simulated(replace(plan, micro_batch=1), timeline=True, timing=plan.micro_batch == 1 and not auto)
+    sims = {1: one}
+    if not one.fits(capacity, host_capacity):
+        max_micro_batch = 0
+    else:
+        sims[2] = simulated(replace(plan, micro_batch=2), timeline=True, timing=plan.micro_batch == 2 and not auto)
+        max_micro_batch = MemoryLines.of(one, sims[2]).max_micro_batch(capacity)
+    if auto:
+        if max_micro_batch == 0:
+            return StageReport(one, capacity, 0, host_capacity=host_capacity, timed=False)
+        plan = replace(plan, micro_batch=1 << (min(max_micro_batch, micro_batch_cap).bit_length() - 1))
+        return StageReport(simulated(plan, timeline=timeline), capacity, max_micro_batch, host_capacity=host_capacity)
+    sim = sims[plan.micro_batch] if plan.micro_batch in sims else simulated(plan, timeline=timeline)
+    return StageReport(sim, capacity, max_micro_batch, host_capacity=host_capacity)
+
+
+def lever_configs(base: Plan, stages: list[int], checkpointing: list[str], offload: list[bool]) -> list[Plan]:
+    """Every stage x activation checkpointing x optimizer offload asked for (offload needs stage >= 1)."""
+    return [replace(base, stage=s, activation_checkpointing=ac, offload_optimizer=off)
+            for s in stages for ac in checkpointing for off in offload if not (off and s == 0)]
+
+
+def lever_costs(best: StageReport) -> list[tuple[str, StageReport]]:
+    """The recommended plan once more with each of its levers off (same stage, ranks, micro-batch):
+    (what was turned off, that plan's report), to say what each lever costs and saves."""
+    p = best.sim.plan
+    off = []
+    if p.checkpointing.on:
+        off.append((f"activation checkpointing ({p.checkpointing.describe()})", replace(p, activation_checkpointing="none")))
+    if p.offload_optimizer:
+        off.append(("optimizer offload", replace(p, offload_optimizer=False)))
+    return [(name, StageReport(simulated(q), best.capacity, None, host_capacity=best.host_capacity)) for name, q in off]
+
+
+def world_size_candidates(max_world_size: int, gpus_per_node: Optional[int] = None) -> list[int]:
+    """The world sizes `auto` tries: powers of two, and past one node whole nodes only."""
+    powers = [1 << i for i in range(max_world_size.bit_length()) if 1 << i <= max_world_size]
+    if gpus_per_node is None:
+        return powers
+    within = [n for n in powers if n < gpus_per_node]
+    return within + list(range(gpus_per_node, max_world_size + 1, gpus_per_node))
+
+
+def _first_fitting(candidates: list[int], fits) -> Optional[int]:
+    """The first candidate that fits, by binary search (whatever fits, every later candidate fits too);
+    None if the last does not."""
+    lo, hi = 0, len(candidates) - 1
+    if not fits(candidates[hi]):
+        return None
+    while lo < hi:  # invariant: candidates[hi] fits
+        mid = (lo + hi) // 2
+        if fits(candidates[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return candidates[hi]
+
+
+def smallest_fitting(plan: Plan, capacity: int, candidates: list[int], host_capacity: Optional[int] = None,
+                     micro_batch_cap: Optional[int] = None, shard_per_node: Optional[int] = None) -> StageReport:
+    """The report of `plan` at the smallest candidate world size whose step fits `capacity`.
+
+    More ranks do not need more memory per rank (they shard more, activations stay; only the
+    padding of each unit to equal shards grows, by under one element per rank). If none fits, the
+    report at the largest candidate, which says by how much. Each probe is at micro-batch 1 when the
+    report chooses the micro-batch (`micro_batch_cap`), else at the plan's; with `shard_per_node` it
+    is fully sharded, and the report then chooses the shard group (`best_shard_group`).
+    """
+    probe = replace(plan, micro_batch=1 if micro_batch_cap is not None else plan.micro_batch,
+                    shard_group=None if shard_per_node is not None else plan.shard_group)
+    n = _first_fitting(candidates, lambda n: simulated(replace(probe, world_size=n), timing=False).fits(
+        capacity, host_capacity))
+    plan = replace(plan, world_size=candidates[-1] if n is None else n)
+    if shard_per_node is not None:
+        r = best_shard_group(plan, capacity, False, host_capacity, micro_batch_cap, shard_per_node)
+    else:
+        r = report_stage(plan, capacity, host_capacity=host_capacity, micro_batch_cap=micro_batch_cap)
+    return replace(r, beyond=n is None)
+
+
+def shard_group_candidates(world_size: int, per_node: int) -> list[int]:
+    """The shard groups `--shard-group auto` tries: the divisors of the world within a node, then
+    the whole nodes that divide it, the world itself last."""
+    within = [s for s in range(1, min(per_node, world_size) + 1) if world_size % s == 0]
+    nodes = [s for s in range(2 * per_node, world_size + 1, per_node) if world_size % s == 0]
+    return sorted({*within, *nodes, world_size})
+
+
+def best_shard_group(plan: Plan, capacity: int, timeline: bool = False, host_capacity: Optional[int] = None,
+                     micro_batch_cap: Optional[int] = None, per_node: int = 8) -> StageReport:
+    """`plan` at the shard group that fits and runs fastest: the smallest candidate that fits
+    (a larger group shards more, so needs no more memory per rank), then of it and every larger
+    candidate the most tokens/s; ties go to the smaller group (fewer ranks per collective). Where
+    no group fits, the fully sharded plan, which says by how much. Stage 0 shards nothing."""
+    n = plan.world_size
+    if plan.stage == 0 or n == 1:
+        return report_stage(replace(plan, shard_group=None), capacity, timeline, host_capacity, micro_batch_cap)
+    candidates = shard_group_candidates(n, per_node)
+    probe = replace(plan, micro_batch=1) if micro_batch_cap is not None else plan
+    smallest = _first_fitting(candidates, lambda s: simulated(replace(probe, shard_group=None if s == n else s),
+                                                              timing=False).fits(capacity, host_capacity))
+    tried = candidates[candidates.index(smallest):] if smallest is not None else [n]
+    reports = [report_stage(replace(plan, shard_group=None if s == n else s), capacity, timeline, host_capacity,
+                            micro_batch_cap) for s in tried]
+    fitting = [r for r in reports if r.fits] or reports
+    return max(fitting, key=lambda r: (round(r.tokens_per_s, 3), -(r.sim.plan.shard_group or n)))
+
+
+def report_stages(plans: list[Plan], capacity: int, timeline: bool = False,
+                  candidates: Optional[list[int]] = None, host_capacity: Optional[int] = None,
+                  micro_batch_cap: Optional[int] = None, shard_per_node: Optional[int] = None) -> list[StageReport]:
+    """`report_stage` for each plan, spread over the machine's cores (the plans are independent).
+
+    With `candidates`, each plan is reported at the smallest of those world sizes that fits;
+    with `micro_batch_cap`, at the largest micro-batch that fits (see `report_stage`); with
+    `shard_per_node` (nodes of that many ranks), at the best shard group (`best_shard_group`).
+    """
+    n = len(plans)
+    if candidates is not None:
+        work = (smallest_fitting, plans, [capacity] * n, [candidates] * n, [host_capacity] * n,
+                [micro_batch_cap] * n, [shard_per_node] * n)
+    elif shard_per_node is not None:
+        work = (best_shard_group, plans, [capacity] * n, [timeline] * n, [host_capacity] * n,
+                [micro_batch_cap] * n, [shard_per_node] * n)
+    else:
+        work = (report_stage, plans, [capacity] * n, [timeline] * n, [host_capacity] * n, [micro_batch_cap] * n)
+    workers = min(n, os.cpu_count() or 1)
+    if workers <= 1 or any(p.foreign for p in plans):  # a model callable need not pickle
+        return list(map(*work))
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        return list(pool.map(*work))
