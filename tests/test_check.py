@@ -63,6 +63,26 @@ def test_gpt2_tiny_at_1_8_64_ranks_is_planned_to_the_byte_and_within_2_percent(t
 
 
 @pytest.mark.slow
+def test_hybrid_worlds_of_8_and_64_with_groups_of_8_are_planned_to_the_byte_and_within_2_percent():
+    """--shard-group 8: at 8 ranks the group is the world (no replicas); at 64, 8 replicas of 8, whose
+    gradient shards are all-reduced across the groups: the executed ledger (each entry with its group)
+    must be the planned one, which has those all-reduces."""
+    from zerofunc.plan import Plan, simulate
+    code, out, err = run_check("--world-sizes", "8,64", "--shard-group", "8", "--stage", "1", "--stage", "2",
+                               "--stage", "3", "--seq", "32", "--json")
+    assert code == 0, err
+    cells = json.loads(out)["cells"]
+    assert [(c["stage"], c["world_size"], c["shard_group"]) for c in cells] == [
+        (s, n, 8) for s in (1, 2, 3) for n in (8, 64)]
+    assert_plan_holds(cells, 0.02)
+    for stage in (1, 2, 3):
+        groups = {n: {e.group for e in simulate(Plan(world_size=n, stage=stage, model="gpt2-tiny", seq=32, micro_batch=4,
+                                                     precision="fp32", hardware="cpu-gloo", shard_group=8)).ledger}
+                  for n in (8, 64)}
+        assert groups == {8: {"world"}, 64: {"shard", "replicas"}}
+
+
+@pytest.mark.slow
 def test_fp16_is_planned_with_its_loss_scaler():
     """fp16 unscales and all-reduces [sum of squares, found_inf] at the boundary; the plan must too."""
     code, out, err = run_check("--world-sizes", "8", "--stage", "1", "--stage", "3", "--precision", "fp16", "--json")
@@ -161,7 +181,7 @@ def test_a_simulated_world_is_rank_0_among_twins():
 
 
 def test_failures_name_what_disagrees():
-    cell = Cell(stage=2, world_size=8, planned_peak=1000, measured_peak=1000, planned_comm=64, measured_comm=64,
+    cell = Cell(stage=2, world_size=8, shard_group=8, planned_peak=1000, measured_peak=1000, planned_comm=64, measured_comm=64,
                 ledger_equal=True, planned_step_s=0.0, planned_compute_s=0.0, losses=[1.0])
     assert cell.failures(0.05) == []
     cell.measured_peak = 940
@@ -196,6 +216,8 @@ def test_help_runs_from_a_checkout_anywhere(tmp_path):
     (["--precision", "fp8"], "precision must be one of"),
     (["--hardware", "tpu"], "unknown hardware 'tpu'"),
     (["--steps", "0"], "need --steps >= 1"),
+    (["--shard-group", "0"], "--shard-group must be at least 1"),
+    (["--shard-group", "3"], "a shard group of 3 ranks does not divide the world of 1"),
     (["--json-out", "/nonexistent/dir/x.json"], "its directory does not exist"),
     pytest.param(["--device", "cuda"], "no CUDA device is available",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),

@@ -219,19 +219,21 @@ class DistCommunicator(Communicator):
         return dist.ReduceOp.AVG if mean else dist.ReduceOp.SUM
 
 
-def hybrid_communicators(shard_size: int, link: Optional[Link] | str = "backend"
+def hybrid_communicators(shard_size: int, link: Optional[Link] | str = "backend", make=None
                          ) -> tuple[DistCommunicator, DistCommunicator]:
     """Hybrid sharding's two groups for this rank: its shard group (`shard_size` consecutive ranks, over
     which the stages shard) and its replica group (the ranks at the same place of every shard group, over
     which a gradient shard is all-reduced once per step). Collective: every rank makes every group, in
-    the same order, as torch.distributed.new_group requires. Both write to one ledger."""
+    the same order, as torch.distributed.new_group requires. Both write to one ledger. `make(group,
+    ledger)` builds a communicator (default: a DistCommunicator on `link`; a simulated world's twins)."""
+    make = make or (lambda group, ledger=None: DistCommunicator(group, ledger=ledger, link=link))
     world, rank = dist.get_world_size(), dist.get_rank()
     if shard_size < 1 or world % shard_size:
         raise ValueError(f"a shard group of {shard_size} ranks does not divide the world of {world}")
     shards = [dist.new_group(list(range(g, g + shard_size))) for g in range(0, world, shard_size)]
     replicas = [dist.new_group(list(range(i, world, shard_size))) for i in range(shard_size)]
-    shard_comm = DistCommunicator(shards[rank // shard_size], link=link)
-    replica_comm = DistCommunicator(replicas[rank % shard_size], ledger=shard_comm.ledger, link=link)
+    shard_comm = make(shards[rank // shard_size])
+    replica_comm = make(replicas[rank % shard_size], shard_comm.ledger)
     shard_comm.group_name, replica_comm.group_name = "shard", "replicas"
     return shard_comm, replica_comm
 

@@ -32,6 +32,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help=f"a Hugging Face config.json (llama, mistral, qwen2, gpt2), or one of {', '.join(MODELS)}")
     p.add_argument("--world-sizes", default="1,8,64", help="comma-separated ranks of the simulated worlds")
     p.add_argument("--stage", type=int, action="append", default=None, help="a ZeRO stage (repeatable; default all)")
+    p.add_argument("--shard-group", type=int, default=None, metavar="S",
+                   help="hybrid sharding: stages 1-3 shard within groups of S consecutive ranks, the gradient shards "
+                        "averaged over the groups (S must divide every world size; default: the whole world)")
     p.add_argument("--micro-batch", type=int, default=4, help="sequences per rank")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's context)")
     p.add_argument("--precision", default=None, help="fp32, bf16 or fp16 (default: bf16 on CUDA, fp32 on CPU)")
@@ -74,8 +77,10 @@ def _setup(a: argparse.Namespace) -> tuple[torch.device, list[Plan]]:
     hardware = a.hardware or (profile_for_device(torch.cuda.get_device_name(device)).name if cuda else "cpu-gloo")
     precision = a.precision or ("bf16" if cuda else "fp32")
     stages = sorted(set(a.stage)) if a.stage else [0, 1, 2, 3]
+    if a.shard_group is not None and a.shard_group < 1:
+        raise ValueError(f"--shard-group must be at least 1, got {a.shard_group}")
     plans = [Plan(world_size=ws, stage=s, model=a.model, precision=precision, micro_batch=a.micro_batch, seq=a.seq,
-                  hardware=hardware) for s in stages for ws in _world_sizes(a.world_sizes)]
+                  hardware=hardware, shard_group=a.shard_group) for s in stages for ws in _world_sizes(a.world_sizes)]
     return device, plans
 
 
@@ -105,7 +110,7 @@ def calibrate(device: torch.device, hardware: str | None) -> int:
 
 
 def _row(cell, cuda: bool) -> list[str]:
-    row = [str(cell.stage), str(cell.world_size), f"{cell.planned_peak / MiB:.2f}", f"{cell.measured_peak / MiB:.2f}",
+    row = [str(cell.stage), str(cell.world_size), str(cell.shard_group), f"{cell.planned_peak / MiB:.2f}", f"{cell.measured_peak / MiB:.2f}",
            f"{cell.peak_ratio:.4f}", f"{cell.planned_comm:,}", f"{cell.measured_comm:,}",
            "yes" if cell.ledger_equal else "NO"]
     if cuda:
@@ -114,7 +119,7 @@ def _row(cell, cuda: bool) -> list[str]:
     return row
 
 
-COLUMNS = ["stage", "ranks", "planned peak MiB", "measured peak MiB", "ratio", "planned comm B", "executed comm B",
+COLUMNS = ["stage", "ranks", "shard group", "planned peak MiB", "measured peak MiB", "ratio", "planned comm B", "executed comm B",
            "same collectives"]
 CUDA_COLUMNS = ["tracked peak MiB", "reserved MiB", "planned compute ms", "planned step ms", "measured step ms"]
 

@@ -21,7 +21,7 @@ import torch
 
 from sim.memory import MemoryTracker
 from zerofunc.api import initialize
-from zerofunc.check.world import simulated_world
+from zerofunc.check.world import simulated_world, twin_groups
 from zerofunc.models import build_model
 from zerofunc.plan import Plan, simulate
 from zerofunc.step import train_step
@@ -31,6 +31,7 @@ from zerofunc.step import train_step
 class Cell:
     stage: int
     world_size: int
+    shard_group: int                 # ranks per shard group (the world's size: no hybrid sharding)
     planned_peak: int
     measured_peak: int
     planned_comm: int                # bytes of one step, counted as the ZeRO paper does
@@ -78,19 +79,20 @@ def run_cell(plan: Plan, device: torch.device, compile: bool = False, steps: int
     """
     sim = simulate(plan)
     with simulated_world(plan.world_size, device) as comm:
-        cell = _measure(plan, sim, comm, device, compile, steps)
+        comm, replicas = twin_groups(comm, plan.hybrid_group) if plan.hybrid_group else (comm, None)
+        cell = _measure(plan, sim, comm, replicas, device, compile, steps)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the next cell starts from an empty reserve
     return cell
 
 
-def _measure(plan: Plan, sim, comm, device: torch.device, compile: bool, steps: int) -> Cell:
+def _measure(plan: Plan, sim, comm, replicas, device: torch.device, compile: bool, steps: int) -> Cell:
     cuda = device.type == "cuda"
     with torch.device("meta"):
         model = build_model(plan.config)
     tracker = MemoryTracker()
-    engine = initialize(model, plan.zero_config(), device=device, comm=comm, memory=tracker, compile=compile,
-                        init=lambda name, shape: model.init_param(name, shape, 0))
+    engine = initialize(model, plan.zero_config(), device=device, comm=comm, replicas=replicas, memory=tracker,
+                        compile=compile, init=lambda name, shape: model.init_param(name, shape, 0))
     batch = [sample_batch(plan, device)]
     peaks, times, losses, equal, executed = [], [], [], True, 0
     if cuda:
@@ -113,8 +115,8 @@ def _measure(plan: Plan, sim, comm, device: torch.device, compile: bool, steps: 
         losses.append(loss.item())
         equal &= comm.ledger.entries == sim.ledger
         executed = max(executed, comm.ledger.volume_bytes())
-    cell = Cell(plan.stage, plan.world_size, sim.memory.peak, max(peaks), sim.volume_bytes, executed, equal,
-                sim.step_s, sim.compute_s, losses)
+    cell = Cell(plan.stage, plan.world_size, plan.hybrid_group or plan.world_size, sim.memory.peak, max(peaks),
+                sim.volume_bytes, executed, equal, sim.step_s, sim.compute_s, losses)
     if cuda:
         cell.measured_step_s = statistics.median(times)
         cell.reserved = torch.cuda.memory_reserved(device)

@@ -25,15 +25,17 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from zerofunc.comm import GLOO_STAGING, DistCommunicator, Handle, backend_link, reduce_scatter_single
+from zerofunc.comm import (GLOO_STAGING, DistCommunicator, Handle, backend_link, hybrid_communicators,
+                           reduce_scatter_single)
 from zerofunc.layout import shard
 
 
 class TwinCommunicator(DistCommunicator):
     """`DistCommunicator` on a fake group, with the twin-world reduce-scatter where the group lacks it."""
 
-    def __init__(self, stands_in_for: str):
-        super().__init__(link=backend_link(stands_in_for, dist.get_world_size()))
+    def __init__(self, stands_in_for: str, group=None, ledger=None):
+        super().__init__(group, ledger, link=backend_link(stands_in_for, dist.get_world_size(group)))
+        self.stands_in_for = stands_in_for
         # The backend this world stands in for stages what it would stage (declared, as
         # the communicator always does), so the tracker counts what a real run counts,
         # and chooses its collectives by that backend's rates.
@@ -63,6 +65,13 @@ def _fake_reduce_scatter_writes() -> bool:
     out = torch.zeros(1)
     reduce_scatter_single(out, torch.ones(dist.get_world_size()))
     return out.item() == 1.0
+
+
+def twin_groups(world: TwinCommunicator, shard_group: int) -> tuple[TwinCommunicator, TwinCommunicator]:
+    """Hybrid sharding in a simulated world: rank 0's shard group and replica group, as twins of the
+    backend `world` stands in for (fake subgroups: torch.distributed.new_group on the fake group)."""
+    return hybrid_communicators(shard_group, make=lambda group, ledger=None: TwinCommunicator(
+        world.stands_in_for, group, ledger))
 
 
 def stood_in_backend(device: torch.device) -> str:
