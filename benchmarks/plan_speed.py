@@ -4,7 +4,8 @@ Usage: python benchmarks/plan_speed.py [--repeats 3] [--quick]
 Plans every stage at world size 1024, each with its largest micro-batch found, for
 gpt2-xl, llama3-70b and llama3.1-405b (seq 4096, where nothing fits and one simulation
 per stage answers, and seq 1024, where stage 3 fits and its largest micro-batch takes
-a second), and `--world-size auto` for llama3-70b. Prints the median wall time of each command and the planner's
+a second), and `--world-size auto` for llama3-70b, alone and with `--shard-group auto` at its own
+context (issue 25's bound: under 30 s on this 2-core machine). Prints the median wall time of each command and the planner's
 table once. `--quick` runs each command once.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ COMMANDS = [
     ["--model", "llama3.1-405b", "--world-size", "1024", "--seq", "4096"],
     ["--model", "llama3.1-405b", "--world-size", "1024", "--seq", "1024"],
     ["--model", "llama3-70b", "--world-size", "auto", "--hardware", "h100-sxm", "--seq", "4096"],
+    ["--model", "llama3-70b", "--world-size", "auto", "--shard-group", "auto", "--hardware", "h100-sxm"],
 ]
 
 

@@ -2,9 +2,11 @@
 within groups of S consecutive ranks, and each gradient shard is averaged over the replicas once per
 optimizer step. It trains like one device, step by step (tests/steps.py: ignored targets drawn, 2
 accumulated micro-steps, the derived rounding budgets), at S in {1, 2, 4} on 4 ranks and {1, 3} on 3.
-Checkpoints, written by the first shard group, load at any S, stage and world size. The trainer's flag
-and the planner are still to come (issue 25)."""
+Checkpoints, written by the first shard group, load at any S, stage and world size; the trainer's flag
+shards within groups, and the planner's ledger and peak are the executed ones."""
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -38,7 +40,7 @@ def hybrid_steps(sizes: tuple[int, ...], skip_replicas: bool = False) -> list[fl
                 if skip_replicas:  # the gradient shards' all-reduce over the replicas never issued
                     reduce = engine.replicas.all_reduce
                     engine.replicas.all_reduce = lambda t, tag="", mean=True, async_op=False: (
-                        None if tag == "grads.replicas" else reduce(t, tag, mean, async_op))
+                        SimpleNamespace(wait=lambda: None) if tag == "grads.replicas" else reduce(t, tag, mean, async_op))
                 steps = drawn_steps(engine, vocab=256, seq=10, seed=11)
                 used.append(check_steps(build_model(spec), steps, f"{type(spec).__name__} S={size} stage {stage}"))
     return used

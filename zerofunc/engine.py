@@ -269,15 +269,22 @@ class ZeroEngine(WholeState):
                 reduced = torch.empty(unit.layout.shard_numel, device=grad.device, dtype=grad.dtype)
         sent = grad if stage.shard_grads else unit.local_grad
 
+        def to_host():  # reduced for the last time: the gradient shard goes down to the host
+            unit.grad = self.offload.gradient_down(unit.staging, unit.grad)
+
         def done():  # `sent` stays referenced, so allocated, until the reduce-scatter has finished with it
             if not stage.shard_grads:
                 unit.grad = shard(sent, comm.rank, comm.world_size)
             else:
                 unit.grad = reduced if unit.grad is None else unit.grad.add_(reduced)
-            if self.replicas is not None and self._boundary:  # the shard's mean over the replicas, once a step
-                self.replicas.all_reduce(unit.grad, tag="grads.replicas")
-            if self.offload is not None and self._boundary:  # reduced for the last time: to the host
-                unit.grad = self.offload.gradient_down(unit.staging, unit.grad)
+            then = to_host if self.offload is not None and self._boundary else None
+            if self.replicas is not None and self._boundary:
+                # the shard's mean over the replicas, once a step, in flight behind the rest of backward
+                shard_bytes = unit.grad.numel() * unit.grad.element_size()
+                self._reducing.add(self.replicas.all_reduce(unit.grad, tag="grads.replicas", async_op=
+                                                            self._reducing.overlaps(shard_bytes)), shard_bytes, then)
+            elif then is not None:
+                then()
 
         self._reducing.add(comm.reduce_scatter(reduced, sent, tag="grads", async_op=overlapped), nbytes, done)
         self.gathering.release(unit)  # stage 3: backward is done with this unit's weights
