@@ -2,7 +2,7 @@
 
 The model is run statelessly with `torch.func.functional_call`, its parameters
 replaced by views into each unit's flat buffer. Each unit's buffer enters the graph
-through `_UnitBoundary`, an autograd function whose backward receives the unit's whole
+through `UnitBoundary` (zerofunc/binding.py), an autograd function whose backward receives the unit's whole
 gradient at once, the moment backward has finished with the unit. There the stage
 decides what to do with it (all-reduce, reduce-scatter, or keep it for later).
 
@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call
 
+from zerofunc.binding import UnitBoundary, bind
 from zerofunc.comm import Communicator
 from zerofunc.engine_state import WholeState
 from zerofunc.gather import UnitGathering
@@ -45,38 +46,6 @@ from zerofunc.sharded_optim import ShardedAdamW
 from zerofunc.stages import Stage
 from sim.memory import NoMemoryTracking
 from zerofunc.units import PRECISIONS, InitFn, Unit, materialize, partition
-
-
-class _UnitBoundary(torch.autograd.Function):
-    """Identity on the unit's buffer in forward; hands the unit's gradient to the engine in backward.
-
-    Its input is a shared empty `anchor` that requires grad, so the graph runs through
-    every unit without the buffers themselves being autograd leaves: the engine, not
-    autograd, decides where gradients are stored.
-    """
-
-    @staticmethod
-    def forward(ctx, anchor, engine, unit):
-        ctx.engine, ctx.unit = engine, unit
-        return unit.full.view_as(unit.full)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if not ctx.engine._in_backward:  # loss.backward(): the gradient would be kept but never reduced or stepped
-            raise RuntimeError("backward ran outside the engine: call engine.backward(loss), not loss.backward()")
-        ctx.engine._unit_backward(ctx.unit, grad)
-        return None, None, None
-
-
-def _bind(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Put `tensors` in place of the model's parameters of those names; return what they replaced."""
-    replaced = {}
-    for name, t in tensors.items():
-        path, _, attr = name.rpartition(".")
-        owner = model.get_submodule(path)
-        replaced[name] = owner._parameters[attr]
-        owner._parameters[attr] = t
-    return replaced
 
 
 class ZeroEngine(WholeState):
@@ -156,7 +125,7 @@ class ZeroEngine(WholeState):
     def __call__(self, *args, **kwargs):
         """Run the model's forward on this rank's batch, with the units' weights.
 
-        Weights enter as views of each unit's buffer, passed through `_UnitBoundary`.
+        Weights enter as views of each unit's buffer, passed through `UnitBoundary`.
         A block's views are bound by its forward pre-hook, just before it runs (under
         stage 3, just after it is gathered). That also orders backward: autograd runs
         the newest ready node first, so a boundary made just before its block fires as
@@ -186,24 +155,24 @@ class ZeroEngine(WholeState):
         back and free what stage 3 gathered, so that the next call starts as after a finished step."""
         for unit in self.gathering.blocks:
             if unit.bound is not None:
-                _bind(self.model, unit.bound)
+                bind(self.model, unit.bound)
                 unit.bound = None
         for unit in self.units:
             self.gathering.release(unit)
 
     def _unit_views(self, unit: Unit) -> dict[str, torch.Tensor]:
-        return unit.layout.views(_UnitBoundary.apply(self._anchor, self, unit))
+        return unit.layout.views(UnitBoundary.apply(self._anchor, self, unit))
 
     def _gather_and_bind(self, unit: Unit):
         def hook(module, args):
             self.gathering.gather(unit, "params.fwd")
             self.gathering.prefetch(unit, +1, "params.fwd")
-            unit.bound = _bind(self.model, self._unit_views(unit))
+            unit.bound = bind(self.model, self._unit_views(unit))
         return hook
 
     def _unbind_and_release(self, unit: Unit):
         def hook(module, args, out):
-            _bind(self.model, unit.bound)
+            bind(self.model, unit.bound)
             unit.bound = None
             self.gathering.release(unit)
         return hook
@@ -216,11 +185,11 @@ class ZeroEngine(WholeState):
         gathers each block twice per step with checkpointing as without."""
         self.memory.mark("recompute")
         self.gathering.regather(unit)
-        unit.bound = _bind(self.model, self._unit_views(unit))
+        unit.bound = bind(self.model, self._unit_views(unit))
         try:
             yield
         finally:
-            _bind(self.model, unit.bound)
+            bind(self.model, unit.bound)
             unit.bound = None
             self.memory.mark("backward")
 
@@ -242,7 +211,7 @@ class ZeroEngine(WholeState):
         self.gathering.release_blocks()
         self.micro_step += 1
 
-    def _unit_backward(self, unit: Unit, grad: torch.Tensor) -> None:
+    def unit_gradient(self, unit: Unit, grad: torch.Tensor) -> None:
         """The unit's local gradient of this micro-step exists: accumulate and reduce it as the stage says.
 
         Stages 0-1 keep the full local gradient as the accumulator and communicate only
@@ -250,6 +219,8 @@ class ZeroEngine(WholeState):
         Each reduction is launched here and finished (its result put in place) when the
         in-flight queue waits for it: later, while autograd works on earlier blocks.
         """
+        if not self._in_backward:  # loss.backward(): the gradient would be kept but never reduced or stepped
+            raise RuntimeError("backward ran outside the engine: call engine.backward(loss), not loss.backward()")
         stage, comm = self.stage, self.comm
         nbytes = grad.numel() * grad.element_size()
         overlapped = self._reducing.overlaps(nbytes)
