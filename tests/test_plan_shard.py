@@ -74,7 +74,7 @@ def test_shard_group_auto_names_the_group_in_the_table(capsys):
     (["--shard-group", "x"], "--shard-group takes a number of ranks or auto, not 'x'"),
     (["--shard-group", "0"], "--shard-group must lie in [1,"),
     (["--shard-group", "3"], "a shard group of 3 ranks does not divide the world of 4"),
-    (["--shard-group", "3", "--world-size", "auto", "--max-world-size", "2"], "no world size to try is a multiple"),
+    (["--shard-group", "3", "--world-size", "auto", "--max-world-size", "2"], "no world size to try is a multiple of 3"),
 ])
 def test_shard_group_bad_input(capsys, argv, message):
     args = ["--model", "llama-tiny", "--world-size", "4", "--seq", "64", "--levers", "none"]

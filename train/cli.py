@@ -94,6 +94,10 @@ def parse(argv: list[str] | None) -> TrainArgs:
                    help="hybrid sharding: stages 1-3 shard within groups of S consecutive ranks and average each "
                         "gradient shard over the groups once per step (default: the whole world; config key "
                         "zero_optimization.shard_group_size)")
+    p.add_argument("--hpz", type=int, default=None, metavar="K",
+                   help="stage 3: keep 1/K of each block's weights after forward and gather backward's from K "
+                        "consecutive ranks (a node) instead of the whole shard group (ZeRO++'s hpZ; config key "
+                        "zero_optimization.zero_hpz_partition_size)")
     p.add_argument("--offload-optimizer", choices=("none", "cpu"), default=None,
                    help="cpu: the optimizer's state in host memory, its update on the CPU (stages 1-3)")
     p.add_argument("--on-nonfinite", choices=("stop", "skip"), default="stop",
@@ -229,6 +233,8 @@ def _overrides(a: argparse.Namespace) -> dict:
         out["zero_optimization.offload_optimizer.device"] = a.offload_optimizer
     if a.shard_group is not None:
         out["zero_optimization.shard_group_size"] = a.shard_group
+    if a.hpz is not None:
+        out["zero_optimization.zero_hpz_partition_size"] = a.hpz
     if a.timeout is not None:
         out["comm_timeout"] = a.timeout
     return out

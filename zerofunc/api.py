@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from zerofunc.comm import Communicator, DistCommunicator, hybrid_communicators
+from zerofunc.comm import Communicator, DistCommunicator, hybrid_communicators, secondary_communicator
 from zerofunc.config import Config, parse
 from zerofunc.engine import ZeroEngine
 from zerofunc.stages import get_stage
@@ -19,7 +19,7 @@ from zerofunc.units import InitFn
 def initialize(model: nn.Module, config: dict | str | Path | Config, *, device: Optional[torch.device | str] = None,
                comm: Optional[Communicator] = None, init: Optional[InitFn] = None,
                unit_names: Optional[list[str]] = None, memory=None, compile: Optional[bool] = None,
-               replicas: Optional[Communicator] = None) -> ZeroEngine:
+               replicas: Optional[Communicator] = None, secondary: Optional[Communicator] = None) -> ZeroEngine:
     """Wrap `model` (any nn.Module) in a ZeRO engine configured by a DeepSpeed-style `config`.
 
     Without a process group, a single-rank gloo group is started, so the same script
@@ -33,6 +33,7 @@ def initialize(model: nn.Module, config: dict | str | Path | Config, *, device: 
     cfg = config if isinstance(config, Config) else parse(config, world)  # bad input fails before any set-up
     if comm is None and not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    given = comm is not None
     hybrid = cfg.shard_group is not None and cfg.stage > 0  # stage 0 shards nothing: no groups
     if hybrid and comm is None:
         comm, replicas = hybrid_communicators(cfg.shard_group)
@@ -42,6 +43,10 @@ def initialize(model: nn.Module, config: dict | str | Path | Config, *, device: 
     elif not hybrid:
         replicas = None
     comm = comm if comm is not None else DistCommunicator()
+    if cfg.hpz is not None and secondary is None:
+        if given:
+            raise ValueError("zero_optimization.zero_hpz_partition_size with a given comm: give secondary= too")
+        secondary = secondary_communicator(cfg.hpz, comm.ledger)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     real = [p for p in model.parameters() if p.device.type != "meta"]
@@ -57,7 +62,8 @@ def initialize(model: nn.Module, config: dict | str | Path | Config, *, device: 
                         unit_names if unit_names is not None else default_units(model), precision=cfg.precision,
                         memory=memory, grad_accum=cfg.grad_accum, clip=cfg.clip, loss_scaler=cfg.loss_scaler(),
                         overlap=cfg.overlap, compile=torch.device(device).type == "cuda" if compile is None else compile,
-                        checkpointing=cfg.checkpointing, offload_optimizer=cfg.offload_optimizer, replicas=replicas)
+                        checkpointing=cfg.checkpointing, offload_optimizer=cfg.offload_optimizer, replicas=replicas,
+                        secondary=secondary if cfg.hpz is not None else None)
     engine.optimizer.lr_schedule = cfg.lr
     engine.config = cfg
     if real:

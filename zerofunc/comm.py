@@ -238,6 +238,20 @@ def hybrid_communicators(shard_size: int, link: Optional[Link] | str = "backend"
     return shard_comm, replica_comm
 
 
+def secondary_communicator(size: int, ledger: Ledger, make=None) -> DistCommunicator:
+    """hpZ's group for this rank: the `size` consecutive ranks around it (a node, inside its shard
+    group), from which stage 3's backward gathers; it writes to `ledger`. Collective, as
+    `hybrid_communicators`."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if size < 1 or world % size:
+        raise ValueError(f"an hpZ group of {size} ranks does not divide the world of {world}")
+    make = make or (lambda group, ledger=None: DistCommunicator(group, ledger=ledger))
+    groups = [dist.new_group(list(range(g, g + size))) for g in range(0, world, size)]
+    comm = make(groups[rank // size], ledger)
+    comm.group_name = "secondary"
+    return comm
+
+
 class RecordingCommunicator(Communicator):
     """Records the collectives a step would issue; moves no data (for meta tensors).
 

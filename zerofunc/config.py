@@ -54,6 +54,7 @@ class Config:
     checkpointing: ActivationCheckpointing = ActivationCheckpointing()
     offload_optimizer: bool = False
     shard_group: Optional[int] = None  # hybrid sharding: ranks per shard group (None: the whole world)
+    hpz: Optional[int] = None  # stage 3: ranks backward gathers from, each keeping 1/hpz after forward (None: off)
     comm_timeout: float = 300.0  # seconds a collective waits for the other ranks (zerofunc's key; DeepSpeed has none)
     ignored: tuple[str, ...] = ()
 
@@ -103,13 +104,15 @@ def parse(source: dict | str | Path, world_size: int) -> Config:
 
     zero = sections.section_of(raw, "zero_optimization")
     sections.check_keys(zero, {"stage", "overlap_comm", "reduce_bucket_size", "offload_optimizer", "offload_param",
-                               "cpu_offload", "shard_group_size", "mics_shard_size"},
+                               "cpu_offload", "shard_group_size", "mics_shard_size",
+                               "zero_hpz_partition_size"},
                         IGNORED_ZERO - {"mics_shard_size"}, "zero_optimization.", ignored)
     stage = sections.number(zero, "stage", 0, "zero_optimization.stage", int)
     if stage not in (0, 1, 2, 3):
         raise ConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage}")
     offload = sections.offload(zero, stage, ignored)
     shard_group = sections.shard_group(zero, world_size)
+    hpz = sections.hpz(zero, stage, shard_group or world_size, ignored)
 
     fp16, bf16 = sections.fp16(raw, ignored), sections.section_of(raw, "bf16")
     sections.check_keys(bf16, {"enabled"}, {"immediate_grad_update", "check_grad_overflow"}, "bf16.", ignored)
@@ -130,7 +133,7 @@ def parse(source: dict | str | Path, world_size: int) -> Config:
                       clip=clip, optimizer=sections.optimizer(raw, ignored), fp16=fp16,
                       schedule=sections.schedule(raw), overlap=sections.overlap(zero, precision),
                       checkpointing=sections.checkpointing(raw, ignored), offload_optimizer=offload,
-                      shard_group=shard_group, comm_timeout=comm_timeout, ignored=tuple(ignored))
+                      shard_group=shard_group, hpz=hpz, comm_timeout=comm_timeout, ignored=tuple(ignored))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -34,7 +34,7 @@ IGNORED_ZERO = {"contiguous_gradients", "allgather_bucket_size",
                 "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance",
                 "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save", "sub_group_size",
                 "memory_efficient_linear", "elastic_checkpoint",
-                "ignore_unused_parameters", "load_from_fp32_weights", "zero_hpz_partition_size",
+                "ignore_unused_parameters", "load_from_fp32_weights",
                 "zero_quantized_weights", "zero_quantized_gradients", "mics_shard_size", "use_multi_rank_bucket_allreduce"}
 OFFLOAD_KEYS = {"device"}
 IGNORED_OFFLOAD = {"pin_memory", "buffer_count", "fast_init", "nvme_path", "pipeline_read", "pipeline_write",
@@ -218,6 +218,23 @@ def schedule(raw: dict) -> Optional[Schedule]:
     return Schedule(kind, out)
 
 
+
+
+def hpz(zero: dict, stage: int, group: int, ignored: list[str]) -> Optional[int]:
+    """zero_optimization.zero_hpz_partition_size (ZeRO++'s hpZ): stage 3's backward gathers from groups
+    of k consecutive ranks, each keeping 1/k of the weights after forward. 1 (DeepSpeed's default), or
+    the whole shard group, is off; k must divide the shard group (`group` ranks). Below stage 3 there
+    are no gathers: ignored, and listed as such."""
+    if "zero_hpz_partition_size" not in zero:
+        return None
+    k = number(zero, "zero_hpz_partition_size", 1, "zero_optimization.zero_hpz_partition_size", int)
+    if k < 1 or group % k:
+        raise ConfigError(f"zero_optimization.zero_hpz_partition_size must divide the shard group of {group} "
+                          f"ranks, got {k}")
+    if stage < 3:
+        ignored.append("zero_optimization.zero_hpz_partition_size")
+        return None
+    return None if k in (1, group) else k
 
 
 def shard_group(zero: dict, world_size: int) -> Optional[int]:

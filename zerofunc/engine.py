@@ -65,6 +65,8 @@ class ZeroEngine(WholeState):
     `replicas` (hybrid sharding): `comm` is then this rank's shard group, over which the stage shards,
     and `replicas` the group of ranks holding the same shard in the other shard groups: each
     gradient shard is averaged over it once per optimizer step, at the accumulation boundary.
+    `secondary` (hpZ, stage 3): k consecutive ranks inside the shard group, from which backward
+    gathers the weights each rank kept 1/k of after forward (zerofunc.gather).
     """
 
     def __init__(self, model: nn.Module, stage: Stage, comm: Communicator, optim: AdamWConfig,
@@ -73,7 +75,7 @@ class ZeroEngine(WholeState):
                  grad_accum: int = 1, clip: float = 0.0, loss_scaler: Optional[LossScaler] = None,
                  overlap: Overlap = Overlap(), compile: bool = False,
                  checkpointing: ActivationCheckpointing = ActivationCheckpointing(), offload_optimizer: bool = False,
-                 replicas: Optional[Communicator] = None):
+                 replicas: Optional[Communicator] = None, secondary: Optional[Communicator] = None):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         if grad_accum < 1 or clip < 0:
@@ -91,8 +93,9 @@ class ZeroEngine(WholeState):
         self.device = torch.device(device)
         self.memory = memory if memory is not None else NoMemoryTracking()
         comm.memory = self.memory  # the backend's staging during collectives counts too
-        if self.replicas is not None:
-            self.replicas.memory = self.memory
+        for group in (self.replicas, secondary):
+            if group is not None:
+                group.memory = self.memory
         if unit_names is None:
             unit_names = model.shard_units() if hasattr(model, "shard_units") else []
         self.offload = OptimizerOffload(self.device, self.memory) if offload_optimizer else None
@@ -104,7 +107,7 @@ class ZeroEngine(WholeState):
                                       overlap.bucket_bytes, self.offload)
         self._anchor = torch.empty(0, device=self.device, requires_grad=True)
         self._root = next((u for u in self.units if u.name == ""), None)  # parameters outside any block
-        self.gathering = UnitGathering(self.units, stage, comm, overlap, self.memory)
+        self.gathering = UnitGathering(self.units, stage, comm, overlap, self.memory, secondary)
         if checkpointing.on and not self.gathering.blocks:
             raise ValueError("activation checkpointing recomputes blocks, and this model has none: give unit_names")
         for i, unit in enumerate(self.gathering.blocks):
@@ -147,7 +150,7 @@ class ZeroEngine(WholeState):
             self._abandon_forward()
             raise
         if self._root is not None:
-            self.gathering.release(self._root)
+            self.gathering.release(self._root, after_forward=True)
         return out
 
     def _abandon_forward(self) -> None:
@@ -174,7 +177,7 @@ class ZeroEngine(WholeState):
         def hook(module, args, out):
             bind(self.model, unit.bound)
             unit.bound = None
-            self.gathering.release(unit)
+            self.gathering.release(unit, after_forward=True)
         return hook
 
     @contextlib.contextmanager

@@ -11,6 +11,13 @@ compiled block saves its weights where those hooks cannot see, so the engine gat
 in a backward pre-hook instead (`regather`). Either way, the blocks backward reaches
 next are prefetched (`Overlap.prefetch_depth` of them), in forward order or in reverse.
 
+hpZ (ZeRO++'s `zero_hpz_partition_size`, FSDP2's `reshard_after_forward=k`): where a
+`secondary` group of k consecutive ranks is given (a node, inside the shard group), forward's
+release keeps this rank's 1/k of the weights it has just used, and backward gathers them
+again from those k ranks, not from the whole shard group: 2Ψ/k more memory from forward to
+backward, and backward's gathers stay inside the node. Forward always gathers from the
+shards the optimizer updates, so a secondary copy is never read after a step.
+
 Under stages 0-2 every unit is always gathered (`unit.full` is the whole parameter
 buffer), and every method here does nothing.
 """
@@ -18,7 +25,10 @@ from __future__ import annotations
 
 import torch
 
+from typing import Optional
+
 from zerofunc.comm import Communicator
+from zerofunc.layout import shard
 from zerofunc.overlap import Overlap
 from zerofunc.stages import Stage
 from zerofunc.units import Unit
@@ -36,8 +46,10 @@ class _SavedUnitWeight:
 class UnitGathering:
     """Gathers, prefetches and releases the units of one engine; `blocks` in forward order."""
 
-    def __init__(self, units: list[Unit], stage: Stage, comm: Communicator, overlap: Overlap, memory):
+    def __init__(self, units: list[Unit], stage: Stage, comm: Communicator, overlap: Overlap, memory,
+                 secondary: Optional[Communicator] = None):
         self.stage, self.comm, self.overlap, self.memory = stage, comm, overlap, memory
+        self.secondary = secondary if stage.shard_params else None  # hpZ's group: a node inside the shard group
         self.blocks = [u for u in units if u.name != ""]
         self._block_index = {id(u): i for i, u in enumerate(self.blocks)}
         self._by_buffer = {id(u.full): u for u in units}
@@ -47,11 +59,21 @@ class UnitGathering:
         if not unit.gathered:
             unit.full.untyped_storage().resize_(unit.full.numel() * unit.full.element_size())
             self.memory.resized(unit.full)
-            handle = self.comm.all_gather(unit.full, unit.params, tag=tag, async_op=prefetch)
+            if unit.secondary is not None and tag == "params.bwd":  # hpZ: from the node's copies
+                handle = self.secondary.all_gather(unit.full, unit.secondary, tag=tag, async_op=prefetch)
+            else:
+                unit.secondary = None  # forward reads the shards the optimizer updates
+                handle = self.comm.all_gather(unit.full, unit.params, tag=tag, async_op=prefetch)
             unit.gathering, unit.gathered = (handle if prefetch else None), True
+            if not prefetch:
+                unit.secondary = None
         if not prefetch and unit.gathering is not None:
-            unit.gathering.wait()
-            unit.gathering = None
+            self._finish(unit)
+
+    def _finish(self, unit: Unit) -> None:
+        """Wait for the unit's gather; what it read from (hpZ's copy) may then go."""
+        unit.gathering.wait()
+        unit.gathering, unit.secondary = None, None
 
     def prefetch(self, unit: Unit, direction: int, tag: str) -> None:
         """Start gathering the `prefetch_depth` blocks that run after `unit` (direction +1 in forward,
@@ -63,20 +85,26 @@ class UnitGathering:
             if 0 <= k < len(self.blocks):
                 self.gather(self.blocks[k], tag, prefetch=True)
 
-    def release(self, unit: Unit) -> None:
-        """Free a gathered unit's storage; only stage 3 ever gathers, so elsewhere this does nothing."""
+    def release(self, unit: Unit, after_forward: bool = False) -> None:
+        """Free a gathered unit's storage; only stage 3 ever gathers, so elsewhere this does nothing.
+        With hpZ, a release `after_forward` that backward will follow first keeps this rank's part."""
         if unit.gathered and self.stage.shard_params:
             if unit.gathering is not None:  # never free a buffer a collective is still writing
-                unit.gathering.wait()
-                unit.gathering = None
+                self._finish(unit)
+            if after_forward and self.secondary is not None and torch.is_grad_enabled():
+                with self.memory.category("params"):
+                    unit.secondary = shard(unit.full, self.secondary.rank, self.secondary.world_size).clone()
             unit.full.untyped_storage().resize_(0)
             self.memory.resized(unit.full)
             unit.gathered = False
 
     def release_blocks(self) -> None:
-        """After backward: a prefetch of a block the model did not run again must not go stale."""
+        """After backward: a prefetch of a block the model did not run again must not go stale, nor a
+        copy hpZ kept for a backward that did not need it."""
         for unit in self.blocks:
             self.release(unit)
+        for unit in self._by_buffer.values():
+            unit.secondary = None
 
     def regather(self, unit: Unit) -> None:
         """Backward needs the unit's weights again (to recompute its forward, or for its own backward):

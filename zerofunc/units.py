@@ -53,6 +53,7 @@ class Unit:
     gathered: bool = True      # stage 3: the gather buffer has storage (its gather may still be running)
     gathering: Optional[Handle] = None  # stage 3: the prefetch that fills it, until waited on
     bound: Optional[dict] = None  # stage 3: the model's own parameters, while the unit's views stand in
+    secondary: Optional[torch.Tensor] = None  # hpZ: this rank's 1/k of the weights, kept from forward to backward
 
     @property
     def numel(self) -> int:

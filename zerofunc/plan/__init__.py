@@ -57,6 +57,7 @@ class Plan:
     micro_batch: int = 1
     grad_accum: int = 1        # micro-steps per optimizer step: the step simulated runs them all
     shard_group: Optional[int] = None  # hybrid sharding: ranks per shard group (None: the whole world)
+    hpz: Optional[int] = None  # stage 3: backward gathers from groups of this many ranks (hpZ; None: off)
     seq: Optional[int] = None  # default: the model's context
     hardware: str = "h100-sxm"
     prefetch_depth: int = Overlap.prefetch_depth   # stage 3: blocks gathered ahead (zerofunc.overlap)
@@ -73,6 +74,9 @@ class Plan:
         if self.shard_group is not None and not (1 <= self.shard_group and self.world_size % self.shard_group == 0):
             raise ValueError(f"a shard group of {self.shard_group} ranks does not divide the world of "
                              f"{self.world_size}")
+        group = self.shard_group or self.world_size
+        if self.hpz is not None and not (1 <= self.hpz and group % self.hpz == 0):
+            raise ValueError(f"an hpZ group of {self.hpz} ranks does not divide the shard group of {group}")
         get_stage(self.stage)
         get_profile(self.hardware)
         self.overlap  # validates
@@ -143,7 +147,7 @@ class Plan:
     def levers(self) -> str:
         """The memory levers in a few words: "AC full + offload", "none"."""
         on = ([f"AC {self.checkpointing.describe()}"] if self.checkpointing.on else []) + (
-            ["offload"] if self.offload_optimizer else [])
+            ["offload"] if self.offload_optimizer else []) + ([f"hpZ {self.hpz_group}"] if self.hpz_group else [])
         return " + ".join(on) or "none"
 
     def zero_config(self) -> Config:
@@ -151,7 +155,7 @@ class Plan:
         return Config(stage=self.stage, micro_batch=self.micro_batch, grad_accum=self.grad_accum,
                       train_batch_size=self.micro_batch * self.world_size * self.grad_accum,
                       precision=self.precision, overlap=self.overlap, checkpointing=self.checkpointing,
-                      offload_optimizer=self.offload_optimizer, shard_group=self.hybrid_group)
+                      offload_optimizer=self.offload_optimizer, shard_group=self.hybrid_group, hpz=self.hpz_group)
 
     @property
     def hybrid_group(self) -> Optional[int]:
@@ -159,6 +163,12 @@ class Plan:
         world, at a stage that shards; else None."""
         s = self.shard_group
         return s if s is not None and s < self.world_size and self.stage > 0 else None
+
+    @property
+    def hpz_group(self) -> Optional[int]:
+        """hpZ's group where it changes anything: stage 3, and smaller than the shard group; else None."""
+        k = self.hpz
+        return k if k is not None and 1 < k < (self.hybrid_group or self.world_size) and self.stage == 3 else None
 
 
 @dataclass
@@ -246,11 +256,18 @@ def simulate(plan: Plan, timeline: bool = False, timing: bool = True, kernel_cac
         replicas = RecordingCommunicator(0, plan.world_size // s, ledger=comm.ledger,
                                          staging=profile.collective_staging, link=links["replicas"])
         comm.group_name, replicas.group_name = "shard", "replicas"
+    secondary = None
+    if plan.hpz_group is not None:  # hpZ: k consecutive ranks inside the shard group
+        k = plan.hpz_group
+        links["secondary"] = profile.link(k, 1, plan.world_size)
+        secondary = RecordingCommunicator(0, k, ledger=comm.ledger, staging=profile.collective_staging,
+                                          link=links["secondary"])
+        secondary.group_name = "secondary"
     tracker = MemoryTracker(keep_timeline=timeline)
     model = plan.build()
     # Built as the trainer builds it (fp16's loss scaler included), only on meta and without weights.
-    engine = initialize(model, plan.zero_config(), device="meta", comm=comm, replicas=replicas, memory=tracker,
-                        init=lambda name, shape: None, compile=False)
+    engine = initialize(model, plan.zero_config(), device="meta", comm=comm, replicas=replicas, secondary=secondary,
+                        memory=tracker, init=lambda name, shape: None, compile=False)
     batch = () if plan.params is not None else _meta_batch(plan, model)
     roofline = Roofline({k: v * profile.compute_efficiency for k, v in profile.flops.items()},
                         profile.memory_bandwidth, host_bytes_per_s=profile.cpu_adamw_params_per_s * ADAMW_BYTES_COUNTED,
@@ -272,34 +289,3 @@ def _meta_batch(plan: Plan, model: nn.Module) -> tuple[torch.Tensor, ...] | dict
     if plan.foreign and "input_ids" in inspect.signature(model.forward).parameters:
         return {"input_ids": ids, "labels": targets}
     return ids, targets
-
-
-@dataclass(frozen=True)
-class MemoryLines:
-    """Live bytes at every event of a step as a line in the micro-batch: a + b * micro_batch.
-
-    Exact, not fitted: a step runs the same ops in the same order at any micro-batch,
-    and every tensor's size is either fixed or proportional to it. Two simulations
-    (micro-batch 1 and 2) therefore give every event's line.
-    """
-
-    fixed: tuple[int, ...]
-    per_sample: tuple[int, ...]
-
-    @classmethod
-    def of(cls, one: Simulation, two: Simulation) -> "MemoryLines":
-        t1 = [sum(v) for _, v, _ in one.memory.timeline]
-        t2 = [sum(v) for _, v, _ in two.memory.timeline]
-        if len(t1) != len(t2):
-            raise RuntimeError("the step's events differ between micro-batches 1 and 2; cannot extrapolate")
-        return cls(tuple(2 * a - b for a, b in zip(t1, t2)), tuple(b - a for a, b in zip(t1, t2)))
-
-    def peak(self, micro_batch: int) -> int:
-        return max(a + b * micro_batch for a, b in zip(self.fixed, self.per_sample))
-
-    def max_micro_batch(self, capacity: int) -> int:
-        """The largest micro-batch whose peak fits `capacity` bytes (0 if none does)."""
-        if self.peak(1) > capacity:
-            return 0
-        limits = [(capacity - a) // b for a, b in zip(self.fixed, self.per_sample) if b > 0]
-        return min([MAX_MICRO_BATCH, *limits])

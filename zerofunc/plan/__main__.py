@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from dataclasses import replace
@@ -69,6 +70,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         "gradient shards over the groups once per step (default: the whole world); auto: the "
                         "smallest group that fits (a divisor of the world within a node, then whole nodes), "
                         "then the fastest")
+    p.add_argument("--hpz", type=int, default=None, metavar="K",
+                   help="stage 3: backward gathers from groups of K consecutive ranks, each keeping 1/K of the "
+                        "weights after forward (ZeRO++'s hpZ; default: off)")
     p.add_argument("--grad-accum", type=int, default=1, metavar="K",
                    help="micro-steps per optimizer step (default 1); the step planned runs all K")
     p.add_argument("--precision", default="bf16", help="fp32, bf16 or fp16")
@@ -109,11 +113,14 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--plot {a.plot!r}: its directory {os.path.dirname(a.plot)!r} does not exist")
         stages = sorted(set(a.stage)) if a.stage else [0, 1, 2, 3]
         shard_group, shard_auto = shard_group_arg(a.shard_group)
-        sizes, candidates = world_sizes(a.world_size, a.gpus_per_node, a.max_world_size, shard_group)
+        if a.hpz is not None and a.hpz < 1:
+            raise ValueError(f"--hpz must be at least 1, got {a.hpz}")
+        sizes, candidates = world_sizes(a.world_size, a.gpus_per_node, a.max_world_size,
+                                        math.lcm(shard_group or 1, a.hpz or 1))
         auto = a.levers == "auto"
         base = Plan(world_size=sizes[0], stage=stages[0], model=None if a.params is not None else a.model,
                     params=a.params, precision=a.precision, micro_batch=a.micro_batch or 1,
-                    grad_accum=a.grad_accum, shard_group=shard_group, seq=a.seq,
+                    grad_accum=a.grad_accum, shard_group=shard_group, hpz=a.hpz, seq=a.seq,
                     hardware=a.hardware, prefetch_depth=a.prefetch_depth,
                     bucket_bytes=int(a.bucket_mb * 2**20),
                     activation_checkpointing=a.activation_checkpointing or "none", ac_every=a.ac_every,
@@ -179,9 +186,9 @@ def shard_group_arg(spec: str | None) -> tuple[int | None, bool]:
 
 
 def world_sizes(spec: str, gpus_per_node: int | None, max_world_size: int,
-                shard_group: int | None = None) -> tuple[list[int], list[int] | None]:
+                multiple_of: int = 1) -> tuple[list[int], list[int] | None]:
     """The world sizes to plan, and for `auto` the candidates to search (else None): with a fixed
-    shard group, those it divides."""
+    shard group or hpZ group, the multiples of both."""
     if gpus_per_node is not None and gpus_per_node < 1:
         raise ValueError(f"--gpus-per-node must be at least 1, got {gpus_per_node}")
     if max_world_size < 1:
@@ -189,10 +196,10 @@ def world_sizes(spec: str, gpus_per_node: int | None, max_world_size: int,
     if max_world_size > MAX_WORLD_SIZE:
         raise ValueError(f"--max-world-size must be at most {MAX_WORLD_SIZE}, got {max_world_size}")
     if spec.strip().lower() == "auto":
-        candidates = [n for n in world_size_candidates(max_world_size, gpus_per_node) if n % (shard_group or 1) == 0]
+        candidates = [n for n in world_size_candidates(max_world_size, gpus_per_node) if n % multiple_of == 0]
         if not candidates:
-            raise ValueError(f"no world size to try is a multiple of --shard-group {shard_group} "
-                             f"(up to --max-world-size {max_world_size})")
+            raise ValueError(f"no world size to try is a multiple of {multiple_of} (--shard-group, --hpz), "
+                             f"up to --max-world-size {max_world_size}")
         return candidates[:1], candidates
     try:
         sizes = sorted({int(part) for part in spec.split(",")})

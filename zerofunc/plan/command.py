@@ -34,6 +34,8 @@ def train_args(plan: Plan, nproc: Optional[int] = None) -> list[str]:
         args += ["--grad-accum", str(plan.grad_accum)]
     if plan.hybrid_group is not None:
         args += ["--shard-group", str(plan.hybrid_group)]
+    if plan.hpz_group is not None:
+        args += ["--hpz", str(plan.hpz_group)]
     ac = plan.checkpointing
     if ac.on:
         args += ["--activation-checkpointing", ac.mode]

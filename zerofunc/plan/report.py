@@ -44,6 +44,7 @@ class StageReport:
             "micro_batch": p.micro_batch if p.params is None else None,
             "grad_accum": p.grad_accum,
             "shard_group": p.hybrid_group or p.world_size,
+            "hpz": p.hpz_group,
             "activation_checkpointing": p.activation_checkpointing,
             "ac_every": p.ac_every if p.activation_checkpointing == "selective" else None,
             "offload_optimizer": "cpu" if p.offload_optimizer else "none",

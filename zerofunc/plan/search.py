@@ -8,11 +8,42 @@ from __future__ import annotations
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Optional
 
-from zerofunc.plan import MemoryLines, Plan, Simulation, simulate
+from zerofunc.plan import MAX_MICRO_BATCH, Plan, Simulation, simulate
 from zerofunc.plan.report import StageReport
+
+
+@dataclass(frozen=True)
+class MemoryLines:
+    """Live bytes at every event of a step as a line in the micro-batch: a + b * micro_batch.
+
+    Exact, not fitted: a step runs the same ops in the same order at any micro-batch,
+    and every tensor's size is either fixed or proportional to it. Two simulations
+    (micro-batch 1 and 2) therefore give every event's line.
+    """
+
+    fixed: tuple[int, ...]
+    per_sample: tuple[int, ...]
+
+    @classmethod
+    def of(cls, one: Simulation, two: Simulation) -> "MemoryLines":
+        t1 = [sum(v) for _, v, _ in one.memory.timeline]
+        t2 = [sum(v) for _, v, _ in two.memory.timeline]
+        if len(t1) != len(t2):
+            raise RuntimeError("the step's events differ between micro-batches 1 and 2; cannot extrapolate")
+        return cls(tuple(2 * a - b for a, b in zip(t1, t2)), tuple(b - a for a, b in zip(t1, t2)))
+
+    def peak(self, micro_batch: int) -> int:
+        return max(a + b * micro_batch for a, b in zip(self.fixed, self.per_sample))
+
+    def max_micro_batch(self, capacity: int) -> int:
+        """The largest micro-batch whose peak fits `capacity` bytes (0 if none does)."""
+        if self.peak(1) > capacity:
+            return 0
+        limits = [(capacity - a) // b for a, b in zip(self.fixed, self.per_sample) if b > 0]
+        return min([MAX_MICRO_BATCH, *limits])
 
 
 _SIMULATED: dict[Plan, Simulation] = {}  # this process's simulations (a forked worker inherits them)
@@ -147,7 +178,7 @@ def best_shard_group(plan: Plan, capacity: int, timeline: bool = False, host_cap
     n = plan.world_size
     if plan.stage == 0 or n == 1:
         return report_stage(replace(plan, shard_group=None), capacity, timeline, host_capacity, micro_batch_cap)
-    candidates = shard_group_candidates(n, per_node)
+    candidates = [s for s in shard_group_candidates(n, per_node) if s % (plan.hpz or 1) == 0]  # hpZ's group inside
     probe = replace(plan, micro_batch=1) if micro_batch_cap is not None else plan
     smallest = _first_fitting(candidates, lambda s: simulated(replace(probe, shard_group=None if s == n else s),
                                                               timing=False).fits(capacity, host_capacity))
