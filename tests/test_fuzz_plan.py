@@ -108,7 +108,7 @@ def run_plan(argv: list[str], monkeypatch) -> tuple[str, list]:
 
     with monkeypatch.context() as m:
         m.setattr(plan_cli, "report_stages", simulation)
-        m.setattr(plan_cli, "smallest_fitting", simulation)
+        m.setattr(plan_cli, "fewest_ranks", simulation)
         out, err = io.StringIO(), io.StringIO()
         try:
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

@@ -20,10 +20,10 @@ def run_plan(capsys, *argv):
 
 
 @pytest.mark.parametrize("world, per_node, expected", [
-    (64, 8, [1, 2, 4, 8, 16, 32, 64]),   # within a node, then whole nodes
-    (24, 8, [1, 2, 3, 4, 6, 8, 24]),     # 16 does not divide 24; 12 is not whole nodes
-    (12, 8, [1, 2, 3, 4, 6, 12]),        # 8 does not divide 12: the world itself
-    (4, 8, [1, 2, 4]),
+    (64, 8, [8, 16, 32, 64]),   # a node, then whole nodes
+    (24, 8, [8, 24]),           # 16 does not divide 24
+    (12, 8, [12]),              # part-filled nodes: the world itself
+    (4, 8, [4]),                # one node
 ])
 def test_shard_group_candidates(world, per_node, expected):
     assert shard_group_candidates(world, per_node) == expected
@@ -31,13 +31,14 @@ def test_shard_group_candidates(world, per_node, expected):
 
 def test_shard_group_auto_is_the_smallest_that_fits_then_the_fastest(capsys):
     """llama-tiny on 16 ranks of a one-NIC network (rtx2080ti-pcie: 8 per node, 1.1 GB/s between
-    nodes) at 3.5 MiB per rank: groups of 1 and 2 do not fit, and at stages 1 and 2 a group of 8
-    (inside a node) is quicker than one of 4 (whose replicas cross the network at 1.1 GB/s)."""
-    world, capacity, candidates = 16, 3.5 * MiB, [1, 2, 4, 8, 16]
+    nodes), searched as nodes of 2 (--gpus-per-node), at 3.5 MiB per rank: a group of 2 does not fit,
+    and at stages 1 and 2 a group of 8 (inside a node) is quicker than one of 4 (whose replicas cross
+    the network at 1.1 GB/s)."""
+    world, capacity, candidates = 16, 3.5 * MiB, [2, 4, 8, 16]
     code, out, err = run_plan(capsys, "--model", "llama-tiny", "--world-size", str(world), "--shard-group", "auto",
                               "--seq", "64", "--micro-batch", "1", "--levers", "none", "--hardware", "rtx2080ti-pcie",
                               "--gpu-memory", str(capacity / 2**30), "--stage", "1", "--stage", "2", "--stage", "3",
-                              "--json")
+                              "--gpus-per-node", "2", "--json")
     assert code == 0, err
     doc = json.loads(out)
     chosen = {}
@@ -47,7 +48,7 @@ def test_shard_group_auto_is_the_smallest_that_fits_then_the_fastest(capsys):
                                  hardware="rtx2080ti-pcie"))
         sims = {c: sim(c) for c in candidates}
         fitting = [c for c in candidates if sims[c].memory.peak <= capacity]
-        assert fitting == candidates[candidates.index(fitting[0]):] and fitting[0] > 1  # larger groups fit too
+        assert fitting == candidates[candidates.index(fitting[0]):] and fitting[0] > 2  # larger groups fit too
         s = row["shard_group"]
         assert row["fits"] and s in fitting
         assert all(sims[c].step_s > sims[s].step_s or (sims[c].step_s == sims[s].step_s and c > s) for c in fitting
@@ -62,7 +63,7 @@ def test_shard_group_auto_is_the_smallest_that_fits_then_the_fastest(capsys):
 def test_shard_group_auto_names_the_group_in_the_table(capsys):
     code, out, _ = run_plan(capsys, "--model", "llama-tiny", "--world-size", "16", "--shard-group", "auto",
                             "--seq", "64", "--micro-batch", "1", "--levers", "none", "--hardware", "rtx2080ti-pcie",
-                            "--gpu-memory", str(3.5 * MiB / 2**30), "--stage", "3")
+                            "--gpu-memory", str(3.5 * MiB / 2**30), "--stage", "3", "--gpus-per-node", "2")
     assert code == 0
     header = next(line for line in out.splitlines() if line.startswith("stage"))
     row = out.splitlines()[out.splitlines().index(header) + 1].split()

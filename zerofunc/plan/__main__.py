@@ -23,7 +23,7 @@ from zerofunc.overlap import Overlap
 from zerofunc.plan import Plan
 from zerofunc.plan.plot import plot
 from zerofunc.plan.report import GiB, as_json, as_table, recommend
-from zerofunc.plan.search import lever_configs, lever_costs, report_stages, smallest_fitting, world_size_candidates
+from zerofunc.plan.search import fewest_ranks, lever_configs, lever_costs, report_stages, world_size_candidates
 from zerofunc.recompute import MODES
 from zerofunc.usage import PROFILES_HELP, ArgumentParser, profiles_flag
 
@@ -146,9 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     if auto and candidates is not None:
         # the fewest ranks any configuration fits on is where the most frugal one does; there, every one
         frugal = max(configs, key=lambda c: (c.stage, c.checkpointing.mode == "full", c.offload_optimizer))
-        n = smallest_fitting(frugal, capacity, candidates, host, cap)
-        plans = [replace(c, world_size=n.sim.plan.world_size) for c in configs]
-        reports = [replace(r, beyond=n.beyond)
+        n = fewest_ranks(frugal, capacity, candidates, host, cap, shard_auto, workers=os.cpu_count() or 1)
+        plans = [replace(c, world_size=n or candidates[-1]) for c in configs]
+        reports = [replace(r, beyond=n is None)
                    for r in report_stages(plans, capacity, a.plot is not None, None, host, cap, per_node)]
     else:
         reports = report_stages(plans, capacity, a.plot is not None, candidates, host, cap, per_node)

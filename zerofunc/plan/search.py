@@ -1,10 +1,11 @@
 """The searches behind python -m zerofunc.plan: each plan at its largest micro-batch that fits
-(`report_stage`), the fewest ranks that fit (`smallest_fitting`), the shard group (`best_shard_group`),
+(`report_stage`), the fewest ranks that fit (`fewest_ranks`, `smallest_fitting`), the shard group (`best_shard_group`),
 and what each lever costs (`lever_costs`). With `--levers auto` the plans are every stage x activation
 checkpointing x optimizer offload (`lever_configs`); report.py says which is best.
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
@@ -112,7 +113,11 @@ def lever_costs(best: StageReport) -> list[tuple[str, StageReport]]:
         off.append((f"activation checkpointing ({p.checkpointing.describe()})", replace(p, activation_checkpointing="none")))
     if p.offload_optimizer:
         off.append(("optimizer offload", replace(p, offload_optimizer=False)))
-    return [(name, StageReport(simulated(q), best.capacity, None, host_capacity=best.host_capacity)) for name, q in off]
+    plans = [q for _, q in off]
+    with _mapper(min(len(plans), os.cpu_count() or 1), plans) as run:
+        sims = run(simulated, plans)
+    return [(name, StageReport(sim, best.capacity, None, host_capacity=best.host_capacity))
+            for (name, _), sim in zip(off, sims)]
 
 
 def world_size_candidates(max_world_size: int, gpus_per_node: Optional[int] = None) -> list[int]:
@@ -124,35 +129,64 @@ def world_size_candidates(max_world_size: int, gpus_per_node: Optional[int] = No
     return within + list(range(gpus_per_node, max_world_size + 1, gpus_per_node))
 
 
-def _first_fitting(candidates: list[int], fits) -> Optional[int]:
-    """The first candidate that fits, by binary search (whatever fits, every later candidate fits too);
-    None if the last does not."""
-    lo, hi = 0, len(candidates) - 1
-    if not fits(candidates[hi]):
-        return None
-    while lo < hi:  # invariant: candidates[hi] fits
-        mid = (lo + hi) // 2
-        if fits(candidates[mid]):
-            hi = mid
-        else:
-            lo = mid + 1
-    return candidates[hi]
+@contextlib.contextmanager
+def _mapper(workers: int, plans: list[Plan]):
+    """A map over `workers` forked processes (the plans are independent), or this process's own where
+    one worker or a model callable (which need not pickle) says so."""
+    if workers <= 1 or any(p.foreign for p in plans):
+        yield lambda fn, *args: list(map(fn, *args))
+        return
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        yield lambda fn, *args: list(pool.map(fn, *args))
+
+
+def _probe(plan: Plan) -> Simulation:
+    return simulated(plan, timing=False)
+
+
+def _first_fitting(candidates: list[int], plan_at, fits, workers: int = 1, last_first: bool = False) -> Optional[int]:
+    """The first candidate whose plan fits (whatever fits, every later candidate fits too), or None: a
+    search that probes `workers` candidates at once, evenly inside what is left (binary with one).
+    `last_first`: probe the last candidate alone first, where most plans fit nowhere (the shard group:
+    the report needs the fully sharded plan anyway)."""
+    lo, hi = 0, len(candidates)  # the answer's index lies in [lo, hi]; hi == len: none fits
+    if last_first:
+        if not fits(simulated(plan_at(candidates[-1]), timing=False)):
+            return None
+        hi = len(candidates) - 1
+    with _mapper(workers, [plan_at(candidates[0])]) as run:
+        while lo < hi:
+            points = sorted({lo + (hi - lo) * (i + 1) // (workers + 1) for i in range(workers)})
+            plans = [plan_at(candidates[i]) for i in points]
+            for plan, sim in zip(plans, run(_probe, plans)):
+                _SIMULATED.setdefault(plan, sim)  # a forked probe's simulation, for the report that follows
+            for i, plan in zip(points, plans):
+                if fits(simulated(plan, timing=False)):
+                    hi = i
+                    break
+                lo = i + 1
+    return candidates[lo] if lo < len(candidates) else None
+
+
+def fewest_ranks(plan: Plan, capacity: int, candidates: list[int], host_capacity: Optional[int] = None,
+                 micro_batch_cap: Optional[int] = None, fully_sharded: bool = False, workers: int = 1) -> Optional[int]:
+    """The smallest candidate world size at which `plan`'s step fits `capacity` (None: not even the
+    largest). More ranks do not need more memory per rank (they shard more, activations stay; only
+    the padding of each unit to equal shards grows, by under one element per rank). Each probe is at
+    micro-batch 1 when the report chooses the micro-batch (`micro_batch_cap`), else at the plan's, and
+    `fully_sharded` where the report chooses the shard group; `workers` processes probe at once."""
+    probe = replace(plan, micro_batch=1 if micro_batch_cap is not None else plan.micro_batch,
+                    shard_group=None if fully_sharded else plan.shard_group)
+    return _first_fitting(candidates, lambda n: replace(probe, world_size=n),
+                          lambda sim: sim.fits(capacity, host_capacity), workers)
 
 
 def smallest_fitting(plan: Plan, capacity: int, candidates: list[int], host_capacity: Optional[int] = None,
                      micro_batch_cap: Optional[int] = None, shard_per_node: Optional[int] = None) -> StageReport:
-    """The report of `plan` at the smallest candidate world size whose step fits `capacity`.
-
-    More ranks do not need more memory per rank (they shard more, activations stay; only the
-    padding of each unit to equal shards grows, by under one element per rank). If none fits, the
-    report at the largest candidate, which says by how much. Each probe is at micro-batch 1 when the
-    report chooses the micro-batch (`micro_batch_cap`), else at the plan's; with `shard_per_node` it
-    is fully sharded, and the report then chooses the shard group (`best_shard_group`).
-    """
-    probe = replace(plan, micro_batch=1 if micro_batch_cap is not None else plan.micro_batch,
-                    shard_group=None if shard_per_node is not None else plan.shard_group)
-    n = _first_fitting(candidates, lambda n: simulated(replace(probe, world_size=n), timing=False).fits(
-        capacity, host_capacity))
+    """The report of `plan` at the fewest candidate ranks it fits on (`fewest_ranks`); if none, at
+    the largest candidate, which says by how much. With `shard_per_node` the report chooses the shard
+    group (`best_shard_group`)."""
+    n = fewest_ranks(plan, capacity, candidates, host_capacity, micro_batch_cap, shard_per_node is not None)
     plan = replace(plan, world_size=candidates[-1] if n is None else n)
     if shard_per_node is not None:
         r = best_shard_group(plan, capacity, False, host_capacity, micro_batch_cap, shard_per_node)
@@ -162,11 +196,11 @@ def smallest_fitting(plan: Plan, capacity: int, candidates: list[int], host_capa
 
 
 def shard_group_candidates(world_size: int, per_node: int) -> list[int]:
-    """The shard groups `--shard-group auto` tries: the divisors of the world within a node, then
-    the whole nodes that divide it, the world itself last."""
-    within = [s for s in range(1, min(per_node, world_size) + 1) if world_size % s == 0]
-    nodes = [s for s in range(2 * per_node, world_size + 1, per_node) if world_size % s == 0]
-    return sorted({*within, *nodes, world_size})
+    """The shard groups `--shard-group auto` tries: a node, then whole nodes, each dividing the world
+    (the world itself last). A world of one node, or of part-filled nodes, is one group."""
+    if world_size <= per_node or world_size % per_node:
+        return [world_size]
+    return [s for s in range(per_node, world_size + 1, per_node) if world_size % s == 0]
 
 
 def best_shard_group(plan: Plan, capacity: int, timeline: bool = False, host_capacity: Optional[int] = None,
@@ -180,8 +214,8 @@ def best_shard_group(plan: Plan, capacity: int, timeline: bool = False, host_cap
         return report_stage(replace(plan, shard_group=None), capacity, timeline, host_capacity, micro_batch_cap)
     candidates = [s for s in shard_group_candidates(n, per_node) if s % (plan.hpz or 1) == 0]  # hpZ's group inside
     probe = replace(plan, micro_batch=1) if micro_batch_cap is not None else plan
-    smallest = _first_fitting(candidates, lambda s: simulated(replace(probe, shard_group=None if s == n else s),
-                                                              timing=False).fits(capacity, host_capacity))
+    smallest = _first_fitting(candidates, lambda s: replace(probe, shard_group=None if s == n else s),
+                              lambda sim: sim.fits(capacity, host_capacity), last_first=True)
     tried = candidates[candidates.index(smallest):] if smallest is not None else [n]
     reports = [report_stage(replace(plan, shard_group=None if s == n else s), capacity, timeline, host_capacity,
                             micro_batch_cap) for s in tried]
@@ -207,8 +241,5 @@ def report_stages(plans: list[Plan], capacity: int, timeline: bool = False,
                 [micro_batch_cap] * n, [shard_per_node] * n)
     else:
         work = (report_stage, plans, [capacity] * n, [timeline] * n, [host_capacity] * n, [micro_batch_cap] * n)
-    workers = min(n, os.cpu_count() or 1)
-    if workers <= 1 or any(p.foreign for p in plans):  # a model callable need not pickle
-        return list(map(*work))
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-        return list(pool.map(*work))
+    with _mapper(min(n, os.cpu_count() or 1), plans) as run:
+        return run(*work)
