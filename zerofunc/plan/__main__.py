@@ -68,7 +68,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shard-group", default=None, metavar="S",
                    help="hybrid sharding: stages 1-3 shard within groups of S consecutive ranks and average the "
                         "gradient shards over the groups once per step (default: the whole world); auto: the "
-                        "smallest group that fits (a divisor of the world within a node, then whole nodes), "
+                        "smallest group that fits (a node, then whole nodes, dividing the world; --gpus-per-node sets a node), "
                         "then the fastest")
     p.add_argument("--hpz", type=int, default=None, metavar="K",
                    help="stage 3: backward gathers from groups of K consecutive ranks, each keeping 1/K of the "
