@@ -84,7 +84,7 @@ def torch_step(module, opt):
 def build_model(model_name: str):
     """The GPT on CPU with the weights init_param gives for seed SEED: the same for every impl."""
     from zerofunc.models import GPT, model_config
-    base, overrides, _, _ = MODELS[model_name]
+    base, overrides = MODELS[model_name][:2] if isinstance(model_name, str) else model_name  # or (base, overrides)
     model = GPT(model_config(base, **overrides))
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -96,8 +96,9 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
-def run_rank(impl: str, model_name: str, steps: int, warmup: int) -> dict:
-    """One rank of one implementation; runs inside zerofunc.launch.spawn."""
+def run_rank(impl: str, model_name: str, steps: int, warmup: int, shard_group=None, probe=None) -> dict:
+    """One rank of one implementation; runs inside zerofunc.launch.spawn. `shard_group`: hybrid sharding (zerofunc,
+    FSDP2). `probe(family, engine or module, train_step, x, y)`: run on an extra step K+1, its result returned."""
     import torch.distributed as dist
     from train.data import load_tokens, rank_batch
 
@@ -112,12 +113,13 @@ def run_rank(impl: str, model_name: str, steps: int, warmup: int) -> dict:
     tokens = load_tokens(None, SEQ)
     model = build_model(model_name)
     n_params = sum(p.numel() for p in model.parameters())
+    engine = model  # what a probe inspects: zerofunc's or DeepSpeed's engine, else the module
 
     if family == "zerofunc":
         import zerofunc
         engine = zerofunc.initialize(model, {
             "train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1,
-            "zero_optimization": {"stage": stage},
+            "zero_optimization": {"stage": stage, **({"shard_group_size": shard_group} if shard_group else {})},
             "optimizer": {"type": "AdamW", "params": {**OPT, "betas": list(OPT["betas"])}}})
 
         def train_step(x, y):
@@ -154,10 +156,12 @@ def run_rank(impl: str, model_name: str, steps: int, warmup: int) -> dict:
             opt = torch.optim.AdamW(ddp.parameters(), **OPT)
         train_step = torch_step(ddp, opt)
     elif family == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
+        mesh = shard_group and init_device_mesh("cpu", (world // shard_group, shard_group), mesh_dim_names=("replicate", "shard"))
         for block in model.h:
-            fully_shard(block, reshard_after_forward=stage)
-        fully_shard(model, reshard_after_forward=stage)
+            fully_shard(block, reshard_after_forward=stage, mesh=mesh)
+        fully_shard(model, reshard_after_forward=stage, mesh=mesh)
         train_step = torch_step(model, torch.optim.AdamW(model.parameters(), **OPT))
     else:
         raise ValueError(f"unknown implementation {impl}")
@@ -173,12 +177,16 @@ def run_rank(impl: str, model_name: str, steps: int, warmup: int) -> dict:
     dist.barrier()
     final = torch.tensor([losses[-1]], dtype=torch.float64)
     dist.all_reduce(final)
-    return {"rank": rank, "times": times, "final_loss": float(final) / world,
-            "peak_rss_bytes": _peak_rss_bytes(), "n_params": n_params}
+    out = {"rank": rank, "times": times, "final_loss": float(final) / world, "peak_rss_bytes": _peak_rss_bytes(),
+           "n_params": n_params}
+    if probe is not None:
+        out["probe"] = probe(family, engine, train_step, *rank_batch(tokens, steps + 1, MICRO_BATCH, world, rank, SEQ, SEED)[:2])
+    return out
 
 
-def run_impl(impl: str, model_name: str, steps: int, warmup: int) -> dict:
-    """One run of one implementation in a fresh 2-rank world."""
+def run_impl(impl: str, model_name: str, steps: int, warmup: int, world: int = WORLD, shard_group=None,
+             probe=None) -> dict:
+    """One run of one implementation in a fresh world of `world` ranks (see run_rank for the rest)."""
     from zerofunc.launch import RankError, spawn
     family, _, _ = IMPLS[impl]
     row = {"status": "ok"}
@@ -187,7 +195,7 @@ def run_impl(impl: str, model_name: str, steps: int, warmup: int) -> dict:
         return {"status": "not installed"}
     t0 = time.perf_counter()
     try:
-        out = spawn(run_rank, WORLD, impl, model_name, steps, warmup)
+        out = spawn(run_rank, world, impl, model_name, steps, warmup, shard_group, probe)
     except RankError as e:
         msg = str(e)
         status = ("not installed" if "ModuleNotFoundError" in msg or "ImportError" in msg
@@ -198,7 +206,7 @@ def run_impl(impl: str, model_name: str, steps: int, warmup: int) -> dict:
     row["peak_rss_bytes"] = [r["peak_rss_bytes"] for r in out]
     row["final_loss"] = out[0]["final_loss"]
     row["n_params"] = out[0]["n_params"]
-    return row
+    return row | ({"probe": [r["probe"] for r in out]} if probe is not None else {})
 
 
 def summarize(impl: str, runs: list[dict]) -> dict:
