@@ -230,12 +230,17 @@ def hybrid_communicators(shard_size: int, link: Optional[Link] | str = "backend"
     world, rank = dist.get_world_size(), dist.get_rank()
     if shard_size < 1 or world % shard_size:
         raise ValueError(f"a shard group of {shard_size} ranks does not divide the world of {world}")
-    shards = [dist.new_group(list(range(g, g + shard_size))) for g in range(0, world, shard_size)]
+    shards = _consecutive_groups(shard_size)
     replicas = [dist.new_group(list(range(i, world, shard_size))) for i in range(shard_size)]
     shard_comm = make(shards[rank // shard_size])
     replica_comm = make(replicas[rank % shard_size], shard_comm.ledger)
     shard_comm.group_name, replica_comm.group_name = "shard", "replicas"
     return shard_comm, replica_comm
+
+
+def _consecutive_groups(size: int) -> list:
+    """Every group of `size` consecutive ranks, in order (collective: every rank makes every group)."""
+    return [dist.new_group(list(range(g, g + size))) for g in range(0, dist.get_world_size(), size)]
 
 
 def secondary_communicator(size: int, ledger: Ledger, make=None) -> DistCommunicator:
@@ -246,8 +251,7 @@ def secondary_communicator(size: int, ledger: Ledger, make=None) -> DistCommunic
     if size < 1 or world % size:
         raise ValueError(f"an hpZ group of {size} ranks does not divide the world of {world}")
     make = make or (lambda group, ledger=None: DistCommunicator(group, ledger=ledger))
-    groups = [dist.new_group(list(range(g, g + size))) for g in range(0, world, size)]
-    comm = make(groups[rank // size], ledger)
+    comm = make(_consecutive_groups(size)[rank // size], ledger)
     comm.group_name = "secondary"
     return comm
 

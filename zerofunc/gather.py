@@ -23,9 +23,9 @@ buffer), and every method here does nothing.
 """
 from __future__ import annotations
 
-import torch
-
 from typing import Optional
+
+import torch
 
 from zerofunc.comm import Communicator
 from zerofunc.layout import shard
