@@ -4,11 +4,17 @@
 # ./cuda-out): the tables, the JSON, the logs, and the calibrated profiles.json, which the
 # parts after `calibrate` plan with (the package's own sim/profiles.json is never written).
 #
-#   bash benchmarks/cuda_checks.sh [PART ...]
+#   bash benchmarks/cuda_checks.sh [PART[:SECONDS] ...]
+#
+# PART:SECONDS stops that part after SECONDS (timeout, the part counts as failed), so one call
+# of the device tool can run every part inside its 10-minute limit. BUNDLE=FILE.tgz packs $OUT
+# into one archive after every part: the device tool brings back at most 8 files, and what a
+# part left before a stop still comes back.
 #
 # PARTs, in the order they run by default (each fits the device tool's 10-minute call):
-#   env calibrate check-small pytest      (about 5 minutes)
-#   check-medium train adamw              (about 6 minutes)
+#   env calibrate check-small pytest      (about 3 minutes on an H100)
+#   check-medium train adamw check-reduce (about 3 minutes on an H100, 2026-11-26, check-reduce not yet run)
+#   snapshot                              (on demand: the allocator's blocks at two cells' peaks)
 # A part that fails is reported and the next one still runs; the exit code is the
 # number of failed parts.
 set -uo pipefail
@@ -21,18 +27,25 @@ export ZEROFUNC_PROFILES="$OUT/profiles.json"  # what calibrate records, every l
 PY=${PYTHON:-python}
 failed=0
 
+LIMIT=0  # seconds a part may run (PART:SECONDS), 0 for no limit
+
 run() {  # run NAME CMD...: CMD's output to $OUT/NAME.txt and to the terminal, its time and status in $OUT/parts.txt
   local name=$1; shift
   local t0=$SECONDS
   echo "== $name: $*" | tee -a "$OUT/parts.txt"
+  local left=$((LIMIT - (SECONDS - PART_T0)))
+  if [ "$LIMIT" -gt 0 ] && [ "$left" -lt 1 ]; then
+    echo "== $name: not run, the part's $LIMIT s are spent" | tee -a "$OUT/parts.txt"; failed=$((failed + 1)); return
+  fi
+  if [ "$LIMIT" -gt 0 ]; then set -- timeout -k 5 "$left" "$@"; fi
   "$@" 2>&1 | tee "$OUT/$name.txt"
   local code=${PIPESTATUS[0]}
   echo "== $name: exit $code in $((SECONDS - t0)) s" | tee -a "$OUT/parts.txt"
   [ "$code" -eq 0 ] || failed=$((failed + 1))
 }
 
-check() {  # check MODEL: every stage at 1, 8 and 64 simulated ranks, bf16, compile off and then on
-  for compile in --no-compile --compile; do
+check() {  # check MODEL: every stage at 1, 8 and 64 simulated ranks, bf16, compile off and then on (CHECK_MODES)
+  for compile in ${CHECK_MODES:---no-compile --compile}; do
     run "check-$1$compile" $PY -m zerofunc.check --device cuda --model "$1" --precision bf16 \
       --world-sizes 1,8,64 $compile --json-out "$OUT/check-$1$compile.json"
   done
@@ -46,9 +59,13 @@ torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory)
     calibrate) run calibrate $PY -m zerofunc.check --calibrate ;;
     check-small) check gpt2-small ;;
     check-medium) check gpt2-medium ;;
+    check-reduce) run check-reduce-fp32 $PY -m zerofunc.check --device cuda --model gpt2-small --precision bf16 \
+                    --reduce-dtype fp32 --world-sizes 1,8,64 --no-compile --json-out "$OUT/check-reduce-fp32.json" ;;
     pytest) run pytest $PY -m pytest -m cuda tests/test_cuda.py -q -rs ;;
     train) run train $PY -m train --model gpt2-small --nproc 1 --precision bf16 --steps 50 --out "$OUT/train-gpt2-small"
            run mfu $PY benchmarks/mfu.py "$OUT/train-gpt2-small/metrics.jsonl" --model gpt2-small --seq 128 ;;
+    snapshot) for cell in "0 1" "3 64"; do set -- $cell
+           run "snapshot-s$1-w$2" $PY benchmarks/cuda_memory_snapshot.py --model gpt2-small --stage "$1" --world-size "$2"; done ;;
     adamw) run adamw-fp32 $PY benchmarks/fused_adamw.py
            run adamw-bf16 $PY benchmarks/fused_adamw.py --grad-dtype bf16 ;;
     *) echo "unknown part $1"; failed=$((failed + 1)) ;;
@@ -56,7 +73,14 @@ torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory)
 }
 
 parts=("$@")
-[ ${#parts[@]} -gt 0 ] || parts=(env calibrate check-small pytest check-medium train adamw)
-for p in "${parts[@]}"; do part "$p"; done
+[ ${#parts[@]} -gt 0 ] || parts=(env calibrate check-small pytest check-medium train adamw check-reduce)
+for p in "${parts[@]}"; do
+  LIMIT=0; name=$p
+  if [[ $p == *:* ]]; then name=${p%%:*}; LIMIT=${p#*:}; fi
+  PART_T0=$SECONDS
+  part "$name"
+  if [ -n "${BUNDLE:-}" ]; then tar czf "$BUNDLE.tmp" -C "$(dirname "$OUT")" "$(basename "$OUT")" && mv "$BUNDLE.tmp" "$BUNDLE"; fi
+done
 echo "failed parts: $failed" | tee -a "$OUT/parts.txt"
+if [ -n "${BUNDLE:-}" ]; then tar czf "$BUNDLE" -C "$(dirname "$OUT")" "$(basename "$OUT")"; fi
 exit "$failed"

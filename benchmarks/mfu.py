@@ -1,12 +1,12 @@
 """Tokens/s and model FLOPs utilization of a `python -m train` run, from its metrics.jsonl.
 
-    python benchmarks/mfu.py runs/latest/metrics.jsonl --model gpt2-small --seq 128 [--hardware h200-sxm]
+    python benchmarks/mfu.py runs/latest/metrics.jsonl --model gpt2-small --seq 128 [--hardware h100-sxm]
 
 Training FLOPs per token are 6N for the weights (forward 2N, backward 4N) plus
 12 * layers * width * seq for attention's scores and values (PaLM, appendix B). The
 rate is the profile's bf16 matmul rate: measured where `python -m zerofunc.check
 --calibrate` has run on the device, published otherwise (the profile's sources say
-which). Steps before --skip (compilation, warm-up) are left out; tokens/s is the median.
+which); by default the profile of this machine's GPU. Steps before --skip (compilation, warm-up) are left out; tokens/s is the median.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from sim.hardware import get_profile  # noqa: E402
+from sim.hardware import get_profile, profile_for_device  # noqa: E402
 from zerofunc.models import GPT, MODELS, model_config  # noqa: E402
 
 
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", choices=list(MODELS), required=True)
     p.add_argument("--seq", type=int, required=True, help="the run's --seq")
     p.add_argument("--nproc", type=int, default=1, help="the run's ranks (one device each)")
-    p.add_argument("--hardware", default="h200-sxm")
+    p.add_argument("--hardware", help="a profile name (default: the profile of this machine's GPU)")
     p.add_argument("--skip", type=int, default=5, help="leading steps left out")
     a = p.parse_args(argv)
     try:
@@ -47,7 +47,13 @@ def main(argv: list[str] | None = None) -> int:
     per_token = 6 * n + 12 * cfg.n_layer * cfg.n_embd * a.seq
     tokens_per_step = rows[0]["tokens"]
     tokens_per_s = statistics.median(tokens_per_step / r["time_s"] for r in timed)
-    profile = get_profile(a.hardware)
+    try:
+        if a.hardware is None and not torch.cuda.is_available():
+            raise ValueError("no GPU here to take the profile from: name one with --hardware")
+        profile = get_profile(a.hardware) if a.hardware else profile_for_device(torch.cuda.get_device_name())
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     rate = profile.flops["bf16"]
     source = next((v for k, v in profile.sources.items() if "flops" in k), "")
     print(f"{a.model} ({n / 1e6:.1f}M parameters), seq {a.seq}, {len(timed)} steps after {a.skip}: "

@@ -20,6 +20,7 @@ from importlib import resources
 from pathlib import Path
 
 from sim.cost import Link
+from sim.kernel_memory import MatmulWorkspaces
 from sim.network import group_link
 from sim.profile_fields import FIELDS, LINK_FIELDS, REQUIRED, check_fields
 
@@ -59,6 +60,8 @@ class Profile:
     op_overhead_s: float = 0.0
     overlap_hidden: float = 1.0
     nics_per_node: int | None = None  # None: one network link between nodes (sim.network)
+    # what each thread that runs matmuls keeps (sim.kernel_memory); a CPU keeps none
+    matmul_workspace: MatmulWorkspaces = MatmulWorkspaces()
 
     def link(self, size: int, stride: int = 1, world: int | None = None) -> Link:
         """The link a group of `size` ranks, `stride` apart in a world of `world` (default: the
@@ -192,6 +195,10 @@ def _profile(name: str, p: dict, where: str) -> Profile:
             links[side] = _link(p[side])
         except ValueError as e:
             raise bad(f"{side}: {e}") from None
+    try:
+        workspaces = _workspaces(p.get("matmul_workspace", {}))
+    except ValueError as e:
+        raise bad(str(e)) from None
     return Profile(name=name, description=p["description"],
                    memory_bytes=int(p["memory_gib"] * 2**30), reserved_bytes=int(p["reserved_gib"] * 2**30),
                    flops=p["flops"], compute_efficiency=p["compute_efficiency"],
@@ -202,7 +209,16 @@ def _profile(name: str, p: dict, where: str) -> Profile:
                    host_memory_bytes=int(p["host_memory_gib"] * 2**30),
                    host_link_bandwidth=p["host_link_bandwidth"], cpu_adamw_params_per_s=p["cpu_adamw_params_per_s"],
                    op_overhead_s=p.get("op_overhead_s", 0.0), overlap_hidden=p.get("overlap_hidden", 1.0),
-                   nics_per_node=p.get("nics_per_node"))
+                   nics_per_node=p.get("nics_per_node"), matmul_workspace=workspaces)
+
+
+def _workspaces(raw: dict) -> MatmulWorkspaces:
+    unknown = sorted(set(raw) - {"cublas", "cublaslt"})
+    if unknown:
+        raise ValueError(f"matmul_workspace: unknown field(s) {', '.join(unknown)}; known: cublas, cublaslt")
+    if any(v < 0 or v != int(v) for v in raw.values()):
+        raise ValueError(f"matmul_workspace: bytes must be whole and not negative, got {raw}")
+    return MatmulWorkspaces(**{k: int(v) for k, v in raw.items()})
 
 
 def _link(raw: dict) -> Link:

@@ -13,7 +13,9 @@ what is allocated while `sim.placement` says the work is on the host, or registe
 with `track(..., host=True)`. The peak is the device's; the host has its own.
 
 It counts tensor bytes, not allocator blocks: no caching-allocator rounding or
-fragmentation, and no workspace a kernel allocates internally.
+fragmentation. What a kernel allocates beyond its outputs, it counts where that is known
+(sim.kernel_memory): an op's temporaries while it runs, and, given a device's
+`workspaces`, the matmul workspaces its threads keep.
 
 Looking changes one thing it looks at. A storage's Python object, once made, holds a
 reference to the storage for as long as it lives, so autograd never finds that it holds
@@ -35,6 +37,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sim import placement
+from sim.kernel_memory import MatmulWorkspaces, ThreadWorkspaces, temporary_bytes
 from sim.tensors import tensors
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers", "other")
@@ -62,8 +65,9 @@ class MemoryReport:
 
 
 class MemoryTracker(TorchDispatchMode):
-    def __init__(self, keep_timeline: bool = False):
+    def __init__(self, keep_timeline: bool = False, workspaces: MatmulWorkspaces = MatmulWorkspaces()):
         super().__init__()
+        self.workspaces = ThreadWorkspaces(workspaces)
         self.live = dict.fromkeys(CATEGORIES, 0)
         self.max = dict.fromkeys(CATEGORIES, 0)
         self.peak = 0
@@ -155,11 +159,19 @@ class MemoryTracker(TorchDispatchMode):
 
     # ---- the dispatch hook -------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        host = placement.on_host(placement.where())
-        for t in tensors(out):
-            if not self._in_backend and id(t.untyped_storage()) not in self._storages:
-                self._add(t.untyped_storage(), self._category[-1], host, adopted=func in _ADOPTING)
+        for nbytes in self.workspaces.new(func, args):  # kept for good, as the process keeps them
+            self.hold(nbytes, "other")
+        temporary = temporary_bytes(func, args)  # held until the outputs are counted: the kernel has both at once
+        key = self.hold(temporary, self._category[-1]) if temporary else None
+        try:
+            out = func(*args, **(kwargs or {}))
+            host = placement.on_host(placement.where())
+            for t in tensors(out):
+                if not self._in_backend and id(t.untyped_storage()) not in self._storages:
+                    self._add(t.untyped_storage(), self._category[-1], host, adopted=func in _ADOPTING)
+        finally:
+            if key is not None:
+                self.drop(key)
         return out
 
     # ---- bookkeeping ---------------------------------------------------------------------

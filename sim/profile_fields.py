@@ -9,8 +9,9 @@ FIELDS = {"description": "text", "memory_gib": "number", "reserved_gib": "number
           "intra_node": "link", "inter_node": "link", "attention": "text", "sources": "sources",
           "host_memory_gib": "number", "host_link_bandwidth": "number", "cpu_adamw_params_per_s": "number",
           "collective_staging": "numbers", "device_names": "texts", "op_overhead_s": "number",
-          "overlap_hidden": "number", "nics_per_node": "count"}
-OPTIONAL = ("collective_staging", "device_names", "op_overhead_s", "overlap_hidden", "nics_per_node")
+          "overlap_hidden": "number", "nics_per_node": "count", "matmul_workspace": "numbers"}
+OPTIONAL = ("collective_staging", "device_names", "op_overhead_s", "overlap_hidden", "nics_per_node",
+            "matmul_workspace")
 REQUIRED = tuple(k for k in FIELDS if k not in OPTIONAL)
 LINK_FIELDS = {"alpha_s": "number", "bandwidth": "number", "op_bandwidth": "numbers", "op_seconds": "points",
                "measured_ranks": "count"}

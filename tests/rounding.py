@@ -22,6 +22,7 @@ roundings, below 2**-48 relative) are covered by using gamma(k) rather than k u.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -62,8 +63,20 @@ def clip_factor_error(elements: int, units: int, ranks: int) -> float:
     return gamma(elements + units + ranks + 4) / 2 + gamma(2)
 
 
-def adamw_exact_and_budget(p, g, m, v, step: int, lr: float, betas, eps: float, weight_decay: float,
-                           factor: float, factor_error: float) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass
+class ExactAdamW:
+    """One AdamW step's exact (fp64) results, each with the most an fp32 step may be off from it."""
+
+    p: torch.Tensor
+    p_budget: torch.Tensor
+    m: torch.Tensor
+    m_budget: torch.Tensor
+    v: torch.Tensor
+    v_budget: torch.Tensor
+
+
+def adamw_exact(p, g, m, v, step: int, lr: float, betas, eps: float, weight_decay: float,
+                factor: float, factor_error: float) -> ExactAdamW:
     """One AdamW step of fp32 state in exact (fp64) arithmetic, and the most an fp32 update may be off.
 
     Inputs are the engine's fp32 tensors before its step (parameter, reduced gradient,
@@ -83,7 +96,7 @@ def adamw_exact_and_budget(p, g, m, v, step: int, lr: float, betas, eps: float, 
       division: 3, plus the errors of m' and of d carried through the quotient;
     - p' = p (1 - lr wd) - step: the rounded constant, the product, the difference: 3.
 
-    Returns (p' exact, budget), both fp64, per element.
+    Returns p', m' and v' exact with their budgets, all fp64, per element.
     """
     b1, b2 = betas
     p, g, m, v = (t.double() for t in (p, g, m, v))
@@ -107,4 +120,4 @@ def adamw_exact_and_budget(p, g, m, v, step: int, lr: float, betas, eps: float, 
         raise ValueError("the rounding budget of the denominator reaches the denominator: eps too small")
     e_upd = gamma(3) * upd.abs() + step_size * (e_m / (d - e_d) + m1.abs() * e_d / (d * (d - e_d)))
     e_p = gamma(3) * p.abs() + gamma(1) * (p1.abs() + upd.abs()) + e_upd
-    return p1, e_p
+    return ExactAdamW(p1, e_p, m1, e_m, v1, e_v)

@@ -8,8 +8,11 @@ against one device at the same weights, within the budgets tests/rounding.py der
 - the reduced gradient, against the exact mean of the per-micro-batch gradients one device
   computes (bit for bit the engine's local gradients: the same ops on the same values),
   within what summing those terms in another order may change;
-- the update, against exact (fp64) AdamW from the engine's own weights, moments and reduced
-  gradient, within what an fp32 AdamW may change;
+- the update and the moments it keeps, against exact (fp64) AdamW from the engine's weights and
+  reduced gradient, within what an fp32 AdamW may change; the moments it starts from, the step
+  count and the learning rate not taken from the engine but carried from one device's previous
+  step: zero moments and step 1 on a fresh engine, then each step's exact moments, the count
+  one more, and the configured schedule's rate at that count;
 - the loss train_step logs, against the exact mean of one device's micro-batch losses.
 
 The loss is the global batch's token mean (zerofunc/step.py): one device counts the targets of
@@ -33,12 +36,13 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from tests.rounding import adamw_exact_and_budget, clip_factor, clip_factor_error, reduction_budget
+from tests.rounding import adamw_exact, clip_factor, clip_factor_error, reduction_budget
 from zerofunc.optim import AdamWConfig
 from zerofunc.step import loss_of, train_step
 
@@ -53,10 +57,12 @@ class Step:
     v: dict[str, torch.Tensor]
     grads: dict[str, torch.Tensor]    # reduced, before clipping
     after: dict[str, torch.Tensor]
+    m_after: dict[str, torch.Tensor]
+    v_after: dict[str, torch.Tensor]
     everyone: list                    # every rank's micro-batches of the step, N x grad_accum of them
     grad_accum: int
     optim: AdamWConfig
-    lr: float                         # the step's learning rate (a schedule's, if the engine has one)
+    lr_at: Callable[[int], float]     # the configured learning rate at an optimizer step (from 1)
     clip: float
     norm_terms: int                   # how many squares the engine's gradient norm sums
     loss: float                       # what train_step returned: the global batch's loss
@@ -89,9 +95,10 @@ def record_step(engine, mine: list, everyone: list) -> Step:
                              else f"the engine was asked to step {len(taken)} times, not once")
     terms = sum(u.layout.padded_numel for u in engine.units) + len(engine.units) + engine.comm.world_size
     opt = engine.optimizer
-    lr = opt.lr_schedule(opt.step_count) if opt.lr_schedule is not None else engine.optim.lr
-    return Step(opt.step_count, params, m, v, grads, engine.full_parameters(), list(everyone),
-                engine.grad_accum, engine.optim, lr, opt.clip, terms, logged)
+    # the rate the user configured, by the config's own schedule (an engine built without a config: its optimizer's)
+    lr_at = engine.config.lr if hasattr(engine, "config") else lambda step, lr=engine.optim.lr: lr
+    return Step(opt.step_count, params, m, v, grads, engine.full_parameters(), *engine.full_moments(), list(everyone),
+                engine.grad_accum, engine.optim, lr_at, opt.clip, terms, logged)
 
 
 def ignore_some(targets: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -151,26 +158,40 @@ def normalizer(reference: nn.Module, step: Step) -> torch.Tensor | None:
 def one_device_gradients(reference: nn.Module, step: Step):
     """At the weights the engine had before `step`, one device's fp32 gradient of each micro-batch's
     loss / grad_accum (as the engine backpropagates it); their exact sum / N and sum of |.| / N; and
-    the micro-batch losses' exact sum / (N * grad_accum) and sum of |.| / (N * grad_accum)."""
+    the micro-batch losses' exact sum / (N * grad_accum) and sum of |.| / (N * grad_accum).
+
+    The ranks share the work: rank r computes micro-batches r, r + R, ... and the fp64 sums are
+    all-reduced, so every rank holds the same result for 1/R of the reference's cost. Summing partial
+    fp64 sums in another order moves them by fp64 rounding (2^-53 relative), far inside the fp32
+    budgets they are compared under; each loss comes from one rank, exactly."""
     world = len(step.everyone) // step.grad_accum
+    ranks, me = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     with torch.no_grad():
         for name, p in reference.named_parameters():
             p.copy_(step.params[name])
     mean = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in reference.named_parameters()}
     abs_mean = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in reference.named_parameters()}
-    losses = []
+    losses = torch.zeros(len(step.everyone), dtype=torch.float64)
     scale = 1.0 / step.grad_accum
     num_items = normalizer(reference, step)
-    for batch in step.everyone:
+    for i, batch in enumerate(step.everyone):
+        if i % ranks != me:
+            continue
         reference.zero_grad(set_to_none=True)
         value = loss(reference, batch, num_items)
         (value * scale if scale != 1.0 else value).backward()
         for n, p in reference.named_parameters():
             mean[n] += p.grad.double() / world
             abs_mean[n] += p.grad.double().abs() / world
-        losses.append(value.item())
-    terms = len(losses)  # fsum: the exact sum, then one fp64 rounding
-    return mean, abs_mean, math.fsum(losses) / terms, math.fsum(map(abs, losses)) / terms
+        losses[i] = value.item()
+    if ranks > 1:
+        parts = [*mean.values(), *abs_mean.values(), losses]
+        flat = torch.cat([t.reshape(-1) for t in parts])
+        dist.all_reduce(flat)
+        for t, summed in zip(parts, flat.split([t.numel() for t in parts])):
+            t.copy_(summed.view_as(t))
+    values = losses.tolist()  # fsum: the exact sum, then one fp64 rounding
+    return mean, abs_mean, math.fsum(values) / len(values), math.fsum(map(abs, values)) / len(values)
 
 
 def ratio(diff: torch.Tensor, budget: torch.Tensor) -> float:
@@ -178,12 +199,47 @@ def ratio(diff: torch.Tensor, budget: torch.Tensor) -> float:
     return (diff / budget).nan_to_num(nan=0.0).max().item() if diff.numel() else 0.0
 
 
-def check_steps(reference: nn.Module, steps: list[Step], what: str) -> float:
-    """Every step's gradient and update within their rounding budgets; the verdicts agreed over ranks.
+@dataclass
+class Before:
+    """The optimizer state one device has before a run of steps: a fresh one's by default."""
+
+    number: int = 0                                 # optimizer steps taken
+    m: Optional[dict[str, torch.Tensor]] = None     # None: zeros
+    v: Optional[dict[str, torch.Tensor]] = None
+
+
+def _check_carried(step: Step, name: str, carried: dict, budget: dict | None, what: str) -> float:
+    """The engine's moment `name` before `step` against the one carried: exactly (`budget` None: a fresh
+    engine's zeros, a checkpoint's), or within the budget of the last step's exact result."""
+    mine = getattr(step, name)
+    if budget is None:
+        same = all(torch.equal(mine[n], carried[n].to(mine[n].dtype)) for n in mine)
+        assert agreed_max(0.0 if same else 1.0) == 0.0, \
+            f"{what}, step {step.number}: the engine's {name} before the step is not the state it started from"
+        return 0.0
+    worst = {n: ratio((mine[n].double() - carried[n]).abs(), budget[n]) for n in mine}
+    n = max(worst, key=worst.get)
+    r = agreed_max(worst[n])
+    assert r <= 1.0, (f"{what}, step {step.number}: the engine's {name} before the step is {r:.3g} x its rounding "
+                      f"budget away from what the last step should have kept (worst here: {n} {worst[n]:.3g})")
+    return r
+
+
+def check_steps(reference: nn.Module, steps: list[Step], what: str, before: Before = Before()) -> float:
+    """Every step's gradient, update and moments within their rounding budgets, from the state one device
+    carries (`before` the first step; each step's exact results after); the verdicts agreed over ranks.
     `reference` is the plain module (any weights: each step loads the engine's). Returns the largest
     fraction of a budget used."""
-    used = 0.0
+    used, number = 0.0, before.number
+    zeros = {n: torch.zeros_like(t) for n, t in steps[0].m.items()} if steps else {}
+    carried = {"m": (before.m if before.m is not None else zeros, None),  # (moment, budget): None, exactly
+               "v": (before.v if before.v is not None else zeros, None)}
     for step in steps:
+        number += 1
+        assert step.number == number, (f"{what}: the optimizer's step count after step {number} is {step.number}"
+                                       " (bias correction and the schedule read it)")
+        for name, (moment, budget) in carried.items():
+            used = max(used, _check_carried(step, name, moment, budget, what))
         mean, abs_mean, loss_mean, loss_abs_mean = one_device_gradients(reference, step)
         terms = len(step.everyone)
         # the logged loss: every rank's micro-step losses summed, / grad_accum, averaged over ranks
@@ -200,14 +256,18 @@ def check_steps(reference: nn.Module, steps: list[Step], what: str) -> float:
         factor = clip_factor(norm, step.clip)
         factor_error = clip_factor_error(step.norm_terms, 0, 0) if step.clip else 0.0
         o = step.optim
-        worst = {}
-        for n in step.params:
-            exact, budget = adamw_exact_and_budget(step.params[n], step.grads[n], step.m[n], step.v[n], step.number,
-                                                   step.lr, o.betas, o.eps, o.weight_decay, factor, factor_error)
-            worst[n] = ratio((step.after[n].double() - exact).abs(), budget)
-        name = max(worst, key=worst.get)
-        p_ratio = agreed_max(worst[name])
-        assert p_ratio <= 1.0, (f"{what}, step {step.number}: the update is {p_ratio:.3g} x its rounding budget away "
-                                f"from exact AdamW on the engine's own state (worst here: {name} {worst[name]:.3g})")
-        used = max(used, g_ratio, p_ratio, l_ratio)
+        exact = {n: adamw_exact(step.params[n], step.grads[n], step.m[n], step.v[n], number, step.lr_at(number),
+                                o.betas, o.eps, o.weight_decay, factor, factor_error) for n in step.params}
+        for kept, got in (("p", step.after), ("m", step.m_after), ("v", step.v_after)):
+            worst = {n: ratio((got[n].double() - getattr(e, kept)).abs(), getattr(e, f"{kept}_budget"))
+                     for n, e in exact.items()}
+            name = max(worst, key=worst.get)
+            p_ratio = agreed_max(worst[name])
+            assert p_ratio <= 1.0, (f"{what}, step {step.number}: the {'update' if kept == 'p' else kept + ' it keeps'} "
+                                    f"is {p_ratio:.3g} x its rounding budget away from exact AdamW at step {number}, "
+                                    f"lr {step.lr_at(number):.6g} (worst here: {name} {worst[name]:.3g})")
+            used = max(used, p_ratio)
+        carried = {k: ({n: getattr(e, k) for n, e in exact.items()}, {n: getattr(e, f"{k}_budget") for n, e in exact.items()})
+                   for k in ("m", "v")}
+        used = max(used, g_ratio, l_ratio)
     return used

@@ -94,6 +94,9 @@ def test_resume_at_another_world_size_and_stage(tmp_path, tiny_data):
         assert main(SMALL[:2] + data + ["--micro-batch", str(mb), "--nproc", str(nproc), "--stage", str(stage),
                                         "--steps", "4", "--resume", "--out", str(run), "--device", "cpu"]) == 0
         worst = max(abs(a - b) / b for a, b in zip(losses(run), losses(straight)))
+        # sized, not derived: another world sums in another order (measured 9.7e-8, 2026-11-26); a resume that
+        # restarts AdamW's step count (bias correction from 1 again) moves the losses by 1.1e-2
+        # (tests/plants.py: resume_restarts_the_step_count)
         assert len(losses(run)) == 4 and worst <= 1e-5, f"{name}: {worst:.2e}"
 
 
@@ -216,7 +219,9 @@ def api_checkpoint_world(run_dir: str) -> dict:
     rank = dist.get_rank()
     saved = engine(None)  # the model's own init_param
     opt = saved.optimizer
-    opt.step_count, opt.skipped_steps, opt.nonfinite_steps = 7, 3, 2
+    # 7 training steps: 2 taken, 3 skipped for fp16 overflows, 2 for non-finite gradients; the optimizer's
+    # count (bias correction, the schedule) is not the training step
+    opt.step_count, opt.skipped_steps, opt.nonfinite_steps = 2, 3, 2
     opt.loss_scaler.scale, opt.loss_scaler.overflows, opt.loss_scaler.clean_steps = 1024.0, 1, 5
     checkpoint.save(saved, run_dir, 7)
 
@@ -294,7 +299,7 @@ def test_api_load_restores_the_skip_counters_and_the_loss_scale(api_world):
     _, results = api_world
     for out in results:
         assert out["masters_equal"]
-        assert out["counters"] == [7, 3, 2]  # optimizer steps, fp16 overflows, non-finite steps
+        assert out["counters"] == [2, 3, 2]  # optimizer steps, fp16 overflows, non-finite steps
         assert (out["scaler"]["scale"], out["scaler"]["overflows"], out["scaler"]["clean_steps"]) == (1024.0, 1, 5)
 
 

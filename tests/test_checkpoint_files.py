@@ -1,11 +1,15 @@
-"""A checkpoint on disk read without an engine: one written with another padding than today's layout."""
+"""A checkpoint on disk read without an engine: one written with another padding than today's layout; one
+read range by range as --init-from reads it, each rank hashing only the files it reads."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
+from zerofunc import checkpoint_files, pretrained
 from zerofunc.checkpoint_files import FORMAT, consolidated, rank_file, sha256
 from zerofunc.layout import FlatLayout
 
@@ -29,3 +33,41 @@ def test_a_checkpoint_padded_the_old_way_consolidates(tmp_path):
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     weights = consolidated(tmp_path)
     assert torch.equal(weights["a"], a) and torch.equal(weights["b"], b)
+
+
+def two_file_checkpoint(path, params: list, model: str | None = None) -> Path:
+    """A zerofunc checkpoint of 2 rank files holding one unit of `params` ([name, shape] pairs), laid out as
+    zerofunc/checkpoint.py saves one (today's padding), each element its index / 1000."""
+    path.mkdir(parents=True)
+    layout = FlatLayout.build(params, 2)
+    flat, half = torch.arange(layout.padded_numel, dtype=torch.float32) / 1000, layout.padded_numel // 2
+    files = [rank_file(r) for r in range(2)]
+    for r, f in enumerate(files):
+        save_file({f"0.{kind}": flat[r * half:(r + 1) * half].clone() for kind in ("master", "m", "v")}, str(path / f))
+    manifest = {"format": FORMAT, "step": 1, "optimizer_steps": 1, "world_size": 2, "stage": 3, "files": files,
+                "sha256": {f: sha256(path / f) for f in files}, "extra": {"model": model},
+                "units": [{"name": "", "numel": layout.numel, "padded_numel": layout.padded_numel, "params": params}]}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    return path
+
+
+def flip_last_byte(f: Path) -> None:
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF
+    f.write_bytes(bytes(data))
+
+
+def test_a_rank_hashes_only_the_checkpoint_files_it_reads(tmp_path, monkeypatch):
+    """A checkpoint of 2 files: reading `a` (all in file 0) hashes file 0 alone, so a corrupt file 1 is
+    found only by a reader of `b`, which spans both (planted: hashing every file before the first read,
+    64 ranks each reading a whole 70B checkpoint, fails the read of `a`)."""
+    ckpt = two_file_checkpoint(tmp_path / "ckpt", [["a", [6]], ["b", [4, 5]]])
+    flip_last_byte(ckpt / rank_file(1))
+    hashed, whole = [], checkpoint_files.sha256
+    monkeypatch.setattr(checkpoint_files, "sha256", lambda f: hashed.append(f.name) or whole(f))
+    source = pretrained.CheckpointWeights(ckpt)
+    assert torch.equal(source("a", (6,)), torch.arange(6, dtype=torch.float32) / 1000)
+    assert hashed == [rank_file(0)]
+    with pytest.raises(pretrained.WeightsError, match=f"{rank_file(1)} does not match the checksum"):
+        source("b", (4, 5))
+    assert hashed == [rank_file(0), rank_file(1)]

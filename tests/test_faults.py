@@ -135,8 +135,11 @@ def test_a_nonfinite_step_stops_with_the_weights_before_it_and_resumes_exactly(t
 
 
 @pytest.mark.slow
-def test_skipping_nonfinite_steps_keeps_nan_out_of_the_weights(tmp_path, flags):
-    out = tmp_path / "run"
+def test_skipping_nonfinite_steps_keeps_nan_out_of_the_weights_and_resumes_exactly(tmp_path, flags):
+    """Step 2 skipped: 3 optimizer steps in 4. Resumed from step 4, the run repeats one that never stopped
+    bit for bit, which needs the optimizer's own count (3) back, not the training step (4): bias
+    correction and the schedule read it."""
+    out, straight = tmp_path / "run", tmp_path / "straight"
     run(flags + ["--steps", "4", "--save-every", "4", "--on-nonfinite", "skip", "--out", str(out)], bad_call=1)
     losses = [r["loss"] for r in rows(out)]
     assert [r.get("nonfinite", False) for r in rows(out)] == [False, True, False, False]
@@ -144,6 +147,10 @@ def test_skipping_nonfinite_steps_keeps_nan_out_of_the_weights(tmp_path, flags):
     manifest = json.loads((out / "checkpoints" / "step-00000004" / "manifest.json").read_text())
     assert manifest["optimizer_steps"] == 3  # the skipped step was not taken
     assert all(torch.isfinite(w).all() for w in consolidated(out).values())
+    run(flags + ["--steps", "6", "--on-nonfinite", "skip", "--out", str(straight)], bad_call=1)
+    run(flags + ["--steps", "6", "--on-nonfinite", "skip", "--resume", "--out", str(out)])
+    assert [r["lr"] for r in rows(out)] == [r["lr"] for r in rows(straight)]
+    assert [r["loss"] for r in rows(out)][4:] == [r["loss"] for r in rows(straight)][4:]  # bit for bit
 
 
 @pytest.mark.slow
@@ -184,11 +191,11 @@ def act(action: str, first: bool) -> None:
     elif action == "hang" and first:
         os.kill(os.getpid(), signal.SIGSTOP)
     elif action == "term" and first:  # to the launcher, as a cluster's scheduler does
-        os.kill(os.getppid(), signal.SIGTERM)
+        os.kill(int(os.environ["LAUNCHER_PID"]), signal.SIGTERM)
     elif action == "int-int" and first:  # Ctrl-C, then Ctrl-C again a while later
-        os.kill(os.getppid(), signal.SIGINT)
+        os.kill(int(os.environ["LAUNCHER_PID"]), signal.SIGINT)
         time.sleep(1.5)
-        os.kill(os.getppid(), signal.SIGINT)
+        os.kill(int(os.environ["LAUNCHER_PID"]), signal.SIGINT)
         time.sleep(60)
     elif action in ("quota", "quota-once"):  # a 1 KiB file-size quota from this step; "once": for one step
         resource.setrlimit(resource.RLIMIT_FSIZE, (1024 if first or action == "quota" else limit[1], limit[1]))
@@ -199,6 +206,7 @@ def launch(argv: list[str], fault: str, tmp_path: Path, monkeypatch, capfd) -> t
     at = tmp_path / "fault-at"
     monkeypatch.setenv("FAULT", fault)
     monkeypatch.setenv("FAULT_AT", str(at))
+    monkeypatch.setenv("LAUNCHER_PID", str(os.getpid()))  # not getppid(): ranks are forked from a fork server
     monkeypatch.setattr("train.cli.train_rank", train_with_fault)
     code = main(argv)
     took = time.time() - float(at.read_text())

@@ -1,7 +1,9 @@
 """Hybrid sharding (zero_optimization.shard_group_size S, or DeepSpeed's mics_shard_size): stages 1-3 shard
 within groups of S consecutive ranks, and each gradient shard is averaged over the replicas once per
 optimizer step. It trains like one device, step by step (tests/steps.py: ignored targets drawn, 2
-accumulated micro-steps, the derived rounding budgets), at S in {1, 2, 4} on 4 ranks and {1, 3} on 3.
+accumulated micro-steps, the derived rounding budgets), at S in {1, 2, 4} on 4 ranks and {1, 3} on 3,
+with clipping that binds and optimizer offload drawn in turn, and it issues exactly one replicas'
+all-reduce per unit per optimizer step.
 Checkpoints, written by the first shard group, load at any S, stage and world size; the trainer's flag
 shards within groups, and the planner's ledger and peak are the executed ones."""
 from __future__ import annotations
@@ -18,31 +20,49 @@ CASES = {4: (1, 2, 4), 3: (1, 3), 2: (1,)}
 
 def hybrid_steps(sizes: tuple[int, ...], skip_replicas: bool = False) -> list[float]:
     """Per S and stage 1-3, two steps of a GPT-2 and a Llama of odd widths, each held to one device's step;
-    the largest fraction of a budget used. `skip_replicas` plants the bug of never averaging over them."""
+    the largest fraction of a budget used. Cases take, in turn, clipping at 0.05 (below every norm here:
+    it binds, so the norm's reduction over the groups matters) or none, and optimizer offload or none, so
+    every pair comes up at 2 ranks. `skip_replicas` plants the bug of never averaging over them."""
     import zerofunc
     from tests.steps import check_steps, drawn_steps
     from zerofunc.models import build_model, model_config
 
-    used = []
+    used, case = [], 0
     for spec in (model_config("gpt2-tiny", n_layer=2, n_embd=40, n_head=4),
                  model_config("llama-tiny", n_layer=2, vocab_size=256)):
         for size in sizes:
             for stage in (1, 2, 3):
+                clip, offload = (0.05, 0.0)[case % 2], case // 2 % 2 == 0
+                case += 1
                 with torch.device("meta"):
                     model = build_model(spec)
                 engine = zerofunc.initialize(model, {
-                    "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
-                    "zero_optimization": {"stage": stage, "shard_group_size": size},
+                    "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": clip,
+                    "zero_optimization": {"stage": stage, "shard_group_size": size,
+                                          "offload_optimizer": {"device": "cpu" if offload else "none"}},
                     "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-5,
                                                               "weight_decay": 0.1}}},
                     init=lambda n, s, m=model: m.init_param(n, s, 0))
                 assert engine.comm.world_size == size
-                if skip_replicas:  # the gradient shards' all-reduce over the replicas never issued
+                what = f"{type(spec).__name__} S={size} stage {stage}, clip {clip}, offload {offload}"
+                averaged = []
+                if engine.replicas is not None:
                     reduce = engine.replicas.all_reduce
-                    engine.replicas.all_reduce = lambda t, tag="", mean=True, async_op=False: (
-                        SimpleNamespace(wait=lambda: None) if tag == "grads.replicas" else reduce(t, tag, mean, async_op))
+
+                    def counted(t, tag="", mean=True, async_op=False, reduce=reduce):
+                        if tag != "grads.replicas":
+                            return reduce(t, tag, mean, async_op)
+                        averaged.append(tag)
+                        # the planted bug: the gradient shards' all-reduce over the replicas never issued
+                        return SimpleNamespace(wait=lambda: None) if skip_replicas else reduce(t, tag, mean, async_op)
+                    engine.replicas.all_reduce = counted
                 steps = drawn_steps(engine, vocab=256, seq=10, seed=11)
-                used.append(check_steps(build_model(spec), steps, f"{type(spec).__name__} S={size} stage {stage}"))
+                used.append(check_steps(build_model(spec), steps, what))
+                norms = [torch.sqrt(sum(g.double().square().sum() for g in st.grads.values())).item() for st in steps]
+                assert not clip or min(norms) > clip, f"{what}: clipping at {clip} does not bind at norms {norms}"
+                # each unit's gradient shard, averaged over the replicas once per optimizer step (none without them)
+                want = len(steps) * len(engine.units) if engine.replicas is not None else 0
+                assert len(averaged) == want, f"{what}: {len(averaged)} replicas' all-reduces in {len(steps)} steps"
     return used
 
 

@@ -232,7 +232,10 @@ def test_trainer_reports_what_the_planner_predicts(capsys, tmp_path, stage, grad
 def test_world_size_auto_finds_the_fewest_ranks_that_fit(capsys):
     """For each stage the answer fits and the candidate below it does not, checked by simulating both;
     the recommendation is the fewest ranks over all stages."""
-    capacity = 3 * 2**20  # llama-tiny at 64 tokens: model states of ~7 MiB must be spread over several ranks
+    # llama-tiny at 64 tokens: model states of ~7 MiB must be spread over several ranks, beside the
+    # default GPU's matmul workspaces (sim/kernel_memory.py), which every rank keeps whatever its share
+    ws = Plan(world_size=1, stage=0, model="llama-tiny", seq=64).profile.matmul_workspace
+    capacity = 3 * 2**20 + 2 * ws.cublas + ws.cublaslt
     code, out, _ = run_plan(capsys, "--model", "llama-tiny", "--world-size", "auto", "--gpus-per-node", "4",
                             "--max-world-size", "64", "--seq", "64", "--gpu-memory", str(capacity / 2**30), "--json",
                             "--levers", "none")

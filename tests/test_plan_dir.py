@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 import os
 import shlex
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings, strategies as st
+import torch
+from hypothesis import example, given, settings, strategies as st
 
 from train.cli import parse as train_parse
 from zerofunc.models import hf_config_dict, model_config
@@ -98,7 +100,8 @@ def trainer_argv(argv: list[str]) -> list[str]:
 
 
 def parse_command(argv: list[str], monkeypatch) -> tuple:
-    """train/cli.py's parse of a printed command, as it would run: under torchrun with its world."""
+    """train/cli.py's parse of a printed command, as it would run on the machine planned for: under
+    torchrun with its world, or on cores enough for the ranks."""
     args = trainer_argv(argv)
     with monkeypatch.context() as env:
         if argv[0] == "torchrun":
@@ -107,26 +110,32 @@ def parse_command(argv: list[str], monkeypatch) -> tuple:
                 env.setenv(key, value)
         else:
             world = int(args[args.index("--nproc") + 1])
-            # as on the machine planned for: cores enough for the ranks, and no CUDA device here
             env.setattr(os, "cpu_count", lambda: world)
-            args += [] if "--device" in args else ["--device", "cpu"]
+        # a GPU per rank, even for a CPU profile (whose command must pin gloo ranks where a GPU is there):
+        # what --device auto and the compile default resolve to
+        env.setattr(torch.cuda, "is_available", lambda: True)
+        env.setattr(torch.cuda, "device_count", lambda: world)
         return train_parse(args), world
 
 
 def assert_runs_the_plan(plan: Plan, argv: list[str], monkeypatch) -> None:
-    """The parsed command trains `plan`: same model, ranks, stage, batch, sequence, precision, levers."""
+    """The parsed command trains `plan`: every setting the trainer has a flag for, as planned. The config
+    whole (stage, batch and accumulation, precision, levers, shard group, hpZ, overlap; the plan's default
+    AdamW, no clipping, no schedule); model, dropout and sequence; ranks, device; and eager, as the planner
+    simulates it (zerofunc/plan/report.py's EAGER_NOTE)."""
     args, world = parse_command(argv, monkeypatch)
     want = plan.zero_config()
     got = args.config
+    # compared by what they decide: fp16's section, as the trainer reads it, holds "enabled" (the loss scaler
+    # is what it decides); checkpointing "none" holds an unused --ac-every
+    assert replace(got, fp16=want.fp16, checkpointing=want.checkpointing) == want
+    assert got.loss_scaler() == want.loss_scaler()
+    assert got.checkpointing.describe() == want.checkpointing.describe()
     assert world == plan.world_size
-    assert (got.stage, got.micro_batch, got.grad_accum, got.train_batch_size) == (
-        want.stage, want.micro_batch, 1, want.train_batch_size)
-    assert (got.precision, got.checkpointing.describe(), got.offload_optimizer, got.overlap) == (
-        want.precision, want.checkpointing.describe(), want.offload_optimizer, want.overlap)
-    assert args.seq == plan.tokens and model_config(args.model) == plan.config
+    assert args.seq == plan.tokens and model_config(args.model, dropout=args.dropout) == plan.config
+    assert args.compile is False  # planned eager; the trainer compiles by default on CUDA
+    assert args.device == ("cuda" if plan.profile.device_names else "cpu")
     assert args.data == DATA
-    if not plan.profile.device_names:
-        assert args.device == "cpu"
     fine_tune = Path(plan.model).is_dir()  # its weights: --init-from, which implies --model
     assert args.init_from == (plan.model if fine_tune else None)
     assert ("--model" in argv) != fine_tune
@@ -137,10 +146,16 @@ def plans(draw, models: dict[str, str]) -> Plan:
     hardware = draw(st.sampled_from(["cpu-gloo", "h100-sxm"]))
     stage = draw(st.integers(0, 3))
     ac = draw(st.sampled_from(MODES))
-    return Plan(world_size=draw(st.integers(1, 4) if hardware == "cpu-gloo" else st.integers(1, 64)), stage=stage,
-                model=models[draw(st.sampled_from(sorted(models)))],
-                precision=draw(st.sampled_from(sorted(PRECISIONS))),
-                micro_batch=draw(st.integers(1, 64)), seq=draw(st.none() | st.integers(1, 256)), hardware=hardware,
+    world = draw(st.integers(1, 4) if hardware == "cpu-gloo" else st.integers(1, 64))
+    shard_group = draw(st.none() | st.sampled_from([d for d in range(1, world + 1) if world % d == 0]))
+    group = shard_group or world
+    precision = draw(st.sampled_from(sorted(PRECISIONS)))
+    return Plan(world_size=world, stage=stage, model=models[draw(st.sampled_from(sorted(models)))],
+                precision=precision, reduce_dtype=draw(st.sampled_from([None, precision, "fp32"])),
+                micro_batch=draw(st.integers(1, 64)), grad_accum=draw(st.integers(1, 4)),
+                shard_group=shard_group,
+                hpz=draw(st.none() | st.sampled_from([d for d in range(1, group + 1) if group % d == 0])),
+                seq=draw(st.none() | st.integers(1, 256)), hardware=hardware,
                 prefetch_depth=draw(st.integers(0, 3)),
                 bucket_bytes=draw(st.sampled_from([0, 2**20 // 8, 25 * 2**20, 100 * 2**20 + 2**19])),
                 activation_checkpointing=ac, ac_every=draw(st.integers(1, 4)),
@@ -148,8 +163,14 @@ def plans(draw, models: dict[str, str]) -> Plan:
 
 
 def test_every_plans_command_parses_into_its_config(models, monkeypatch):
+    every_flag = dict(stage=3, model=models["dir:llama-tiny"], precision="fp16", micro_batch=3, grad_accum=2, seq=32,
+                      shard_group=4, hpz=2, prefetch_depth=2, bucket_bytes=2**20, activation_checkpointing="selective",
+                      ac_every=3, offload_optimizer=True, reduce_dtype="fp32")  # each a flag; drawn together they are rare
+
     @settings(max_examples=80, deadline=None)
     @given(plan=plans(models), gpus_per_node=st.none() | st.integers(1, 16))
+    @example(plan=Plan(world_size=16, hardware="h100-sxm", **every_flag), gpus_per_node=8)  # torchrun, 2 nodes
+    @example(plan=Plan(world_size=8, hardware="cpu-gloo", **every_flag), gpus_per_node=None)
     def prop(plan, gpus_per_node):
         argv = command(plan, gpus_per_node)
         assert_runs_the_plan(plan, argv, monkeypatch)

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
-from tokenizers import Tokenizer, models
+from tokenizers import Tokenizer, models, normalizers, processors
 
 from tests.tokenizer import EOS, train_tokenizer, word_tokenizer, write_corpus
 from train import documents, prepare
@@ -18,14 +18,18 @@ EDGE_DOCS = ["", "\n\n", "héllo wörld 🌍\r\n", f"text that spells {EOS} is t
 
 
 def read_back(out: Path, tokenizer: Tokenizer) -> tuple[dict, dict[str, list[str]]]:
-    """meta.json, and each split's documents decoded (the ids between end-of-text ids)."""
+    """meta.json, and each split's documents decoded (the ids between end-of-text ids, after the
+    beginning-of-text ids meta.json names, which each must start with)."""
     meta = json.loads((out / "meta.json").read_text())
+    bos = meta["bos_ids"]
     docs = {}
     for name in ("train", "val"):
         ids = np.fromfile(out / f"{name}.bin", dtype=meta["dtype"]).tolist()
         assert len(ids) == meta[f"{name}_tokens"] and ids[-1] == meta["eos_id"]
         cuts = [-1] + [i for i, t in enumerate(ids) if t == meta["eos_id"]]
-        docs[name] = [tokenizer.decode(ids[a + 1:b], skip_special_tokens=False) for a, b in zip(cuts, cuts[1:])]
+        pieces = [ids[a + 1:b] for a, b in zip(cuts, cuts[1:])]
+        assert all(piece[:len(bos)] == bos for piece in pieces)
+        docs[name] = [tokenizer.decode(piece[len(bos):], skip_special_tokens=False) for piece in pieces]
         assert len(docs[name]) == meta[f"{name}_documents"]
     return meta, docs
 
@@ -90,15 +94,44 @@ def test_ids_past_uint16_are_written_as_uint32(tmp_path, words, dtype):
     assert tokenizer.token_to_id(EOS) == words + 1
 
 
+BOT = "<|begin_of_text|>"
+
+
 def test_no_doubled_bos_from_a_post_processor_that_adds_one(tmp_path, texts):
-    tokenizer = train_tokenizer(tmp_path / "tok.json", texts[:5], bos="<|begin_of_text|>")
-    assert tokenizer.encode("x").ids[0] == tokenizer.token_to_id("<|begin_of_text|>")  # the processor adds it
+    """Llama 3's kind: by default (--bos auto) every document starts with the processor's BOS, once."""
+    tokenizer = train_tokenizer(tmp_path / "tok.json", texts[:5], bos=BOT)
+    bos = tokenizer.token_to_id(BOT)
+    assert tokenizer.encode("x").ids[0] == bos  # the processor adds it
     meta = prepare.prepare(tmp_path / "tok.json", tmp_path / "data", write_corpus(tmp_path / "src", texts[:6], 3))
-    _, split = read_back(tmp_path / "data", tokenizer)
+    _, split = read_back(tmp_path / "data", tokenizer)  # each document starts with meta's bos_ids
+    assert meta["bos_ids"] == [bos] and meta["eos_id"] != bos
+    assert Counter(split["train"] + split["val"]) == Counter(texts[:6])  # a second BOS would decode as its text
+    ids = np.concatenate([np.fromfile(tmp_path / "data" / f"{n}.bin", "uint16") for n in ("train", "val")])
+    assert (ids == bos).sum() == len(texts[:6])
+
+
+def _specials_tokenizer(path: Path, texts: list[str], kind: str) -> Tokenizer:
+    """llama3: a post-processor that adds <|begin_of_text|>; gpt2: GPT-2's ByteLevel one, adding nothing, and
+    no BOS token; gpt2+bos: the same with <|begin_of_text|> among its special tokens."""
+    tokenizer = train_tokenizer(path, texts, bos=BOT if kind != "gpt2" else None)
+    if kind == "gpt2+bos":
+        tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+        tokenizer.save(str(path))
+    return tokenizer
+
+
+@pytest.mark.parametrize("kind,flag,writes_bos", [
+    ("llama3", "auto", True), ("llama3", "always", True), ("llama3", "never", False),
+    ("gpt2", "auto", False), ("gpt2", "never", False),
+    ("gpt2+bos", "auto", False), ("gpt2+bos", "always", True), ("gpt2+bos", "never", False)])
+def test_bos_follows_the_post_processor_or_the_flag(tmp_path, texts, capsys, kind, flag, writes_bos):
+    tokenizer = _specials_tokenizer(tmp_path / "tok.json", texts[:5], kind)
+    code, err = run(["--tokenizer", tmp_path / "tok.json", "--out", tmp_path / "data", "--bos", flag,
+                     *write_corpus(tmp_path / "src", texts[:6], 3)], capsys)
+    assert code == 0, err
+    meta, split = read_back(tmp_path / "data", tokenizer)
+    assert meta["bos_ids"] == ([tokenizer.token_to_id(BOT)] if writes_bos else [])
     assert Counter(split["train"] + split["val"]) == Counter(texts[:6])
-    assert meta["eos_id"] != tokenizer.token_to_id("<|begin_of_text|>")
-    for name in ("train", "val"):
-        assert tokenizer.token_to_id("<|begin_of_text|>") not in np.fromfile(tmp_path / "data" / f"{name}.bin", "uint16")
 
 
 def test_a_truncation_setting_in_tokenizer_json_cuts_nothing(tmp_path, tok, texts):
@@ -148,6 +181,9 @@ BAD = {  # name: (what the case changes, given the tmp directory; words of the e
     "tokenizer other JSON": (lambda t: dict(tokenizer=_bad_tokenizer(t, '{"a": 1}')), "not a valid tokenizer"),
     "no end of text": (lambda t: dict(tokenizer=_bad_tokenizer(t, None)), "--eos"),
     "--eos not a token": (lambda t: dict(extra=["--eos", "<nope>"]), "is not a token"),
+    "--bos always, no BOS": (lambda t: dict(extra=["--bos", "always"]), "--bos always: tokenizer"),
+    "--bos a word": (lambda t: dict(extra=["--bos", "first"]), "invalid choice"),
+    "BOS cannot be told": (lambda t: dict(tokenizer=_blind_tokenizer(t)), "--bos always or --bos never"),
     "input missing": (lambda t: dict(inputs=[t / "src", t / "nothing"]), "does not exist"),
     "no documents": (lambda t: dict(inputs=[_file(t / "empty" / "x.jsonl", b"\n \n")]), "no documents"),
     "one document": (lambda t: dict(inputs=[_file(t / "one.txt", b"x")]), "found 1 document"),
@@ -167,6 +203,17 @@ BAD = {  # name: (what the case changes, given the tmp directory; words of the e
     "jsonl not UTF-8": (lambda t: _late(t, "z.jsonl", b'{"text": "\xff"}\n'), "z.jsonl line 1 is not UTF-8"),
     "file not UTF-8": (lambda t: _late(t, "z.txt", b"ok \xc3\x28"), "z.txt is not UTF-8"),
 }
+
+
+def _blind_tokenizer(tmp: Path) -> Path:
+    """A post-processor that adds a token, but the probe that finds where it puts it encodes to nothing."""
+    path = tmp / "blind.json"
+    tokenizer = Tokenizer(models.WordLevel({"b": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    tokenizer.add_special_tokens([EOS, BOT])
+    tokenizer.normalizer = normalizers.Replace("a", "")
+    tokenizer.post_processor = processors.TemplateProcessing(single=f"{BOT} $A", special_tokens=[(BOT, 3)])
+    tokenizer.save(str(path))
+    return path
 
 
 def _file(path: Path, data: bytes) -> Path:

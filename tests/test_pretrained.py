@@ -64,7 +64,7 @@ def test_a_range_read_is_the_flattened_tensors_range(one_file, name, data):
     lo = data.draw(st.integers(0, n - 1))
     hi = data.draw(st.integers(lo + 1, n))
     out = torch.full((hi - lo,), float("nan"))
-    with pretrained._open(path) as h:
+    with pretrained.open_safetensors(path) as h:
         pretrained._read_range(h, key, tuple(whole.shape), lo, hi, transposed, out, pretrained.NoMemoryTracking())
     assert torch.equal(out, whole.reshape(-1)[lo:hi].float())
 

@@ -196,12 +196,12 @@ def test_another_process_cannot_take_the_port_before_the_ranks_start(monkeypatch
     """Just before each rank starts, a thief tries to listen on the (host, port) the launcher hands it
     (the launcher passes ranks their rendezvous address as one argument): it must find it taken, and the
     world must start all the same."""
-    from multiprocessing.context import SpawnProcess
+    from zerofunc.launch import _start_method, spawn
 
-    from zerofunc.launch import spawn
+    Process = _start_method().Process  # the launcher's kind (forkserver, or spawn)
 
     tries, held = [], []
-    real_start = SpawnProcess.start
+    real_start = Process.start
 
     def start(self):
         for addr in [a for a in self._args if isinstance(a, tuple) and len(a) == 2
@@ -216,7 +216,7 @@ def test_another_process_cannot_take_the_port_before_the_ranks_start(monkeypatch
                 thief.close()
         real_start(self)
 
-    monkeypatch.setattr(SpawnProcess, "start", start)
+    monkeypatch.setattr(Process, "start", start)
     try:
         assert spawn(_rank_and_size, 2, timeout=60) == [(0, 2), (1, 2)]
         assert len(tries) == 2 and not held, f"the launcher handed out {tries}, and another process took it"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.bare import OPTIM
-from tests.rounding import adamw_exact_and_budget, clip_factor_error, reduction_budget
+from tests.rounding import adamw_exact, clip_factor_error, reduction_budget
 from zerofunc.fused import adamw_reference_, adamw_torch_fused_
 from zerofunc.optim import AdamWConfig
 
@@ -36,14 +36,15 @@ IMPLS = {"torch fused (CPU default)": lambda p, g, m, v, s, c, lr, f: adamw_torc
 
 
 def worst(impl, cfg: AdamWConfig, factor: float, step: int, seed: int, plant=None) -> float:
-    """Largest |fp32 update - exact| / budget over a hard state."""
+    """Largest |fp32 result - exact| / budget over a hard state: the weights, and the moments kept for the next step."""
     p, g, m, v = hard_state(4099, seed)
-    exact, budget = adamw_exact_and_budget(p, g, m, v, step, cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay,
-                                           factor, clip_factor_error(g.numel(), 1, 1))
-    if plant is not None:
-        p, g, m, v, step = plant(p, g, m, v, step)
-    impl(p, g, m, v, step, cfg, cfg.lr, factor)
-    return ((p.double() - exact).abs() / budget).max().item()
+    exact = adamw_exact(p, g, m, v, step, cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay,
+                        factor, clip_factor_error(g.numel(), 1, 1))
+    args = plant(p, g, m, v, step) if plant is not None else (p, g, m, v, step)
+    impl(*args, cfg, cfg.lr, factor)  # in place: p, m and v are read back below, whatever a plant handed it
+    return max(((got.double() - want).abs() / budget).nan_to_num(nan=0.0).max().item()
+               for got, want, budget in ((p, exact.p, exact.p_budget), (m, exact.m, exact.m_budget),
+                                         (v, exact.v, exact.v_budget)))
 
 
 @pytest.mark.parametrize("name", list(IMPLS))
@@ -60,7 +61,9 @@ def test_every_fp32_adamw_stays_within_its_budget(name, cfg):
     lambda p, g, m, v, s: (p, g.roll(1), m, v, s),              # each element updated with its neighbour's gradient
     lambda p, g, m, v, s: (p, g * 1.001, m, v, s),              # the gradient 0.1% off (a clip coefficient wrong)
     lambda p, g, m, v, s: (p, g, m, v, s + 1),                  # the bias correction of the wrong step
-], ids=["neighbour's gradient", "gradient 0.1% off", "step off by one"])
+    lambda p, g, m, v, s: (p, g, m.clone(), v, s),              # the first moment never written back
+    lambda p, g, m, v, s: (p, g, m, v.clone(), s),              # the second moment never written back
+], ids=["neighbour's gradient", "gradient 0.1% off", "step off by one", "m not kept", "v not kept"])
 def test_a_wrong_update_breaks_the_budget(plant):
     assert worst(IMPLS["torch fused (CPU default)"], OPTIM, 1.0, 2, 0, plant) > 1.0
 

@@ -1,17 +1,22 @@
 """Multi-node through torchrun: two "nodes" on this machine (one torchrun agent each, joined by c10d
 rendezvous) train like one process, save a checkpoint together, and exit 0 (ranks end with os._exit after the
-group is destroyed: gloo could otherwise abort at interpreter exit, see DESIGN.md)."""
+group is destroyed: gloo could otherwise abort at interpreter exit, see DESIGN.md). Without torchrun, the
+launcher's own rendezvous store is reachable from this machine only."""
 from __future__ import annotations
 
+import datetime
 import json
+import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from train.cli import main, parse
+from zerofunc.launch import _rendezvous
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAGS = ["--seq", "32", "--device", "cpu", "--stage", "3", "--steps", "4", "--save-every", "2"]
@@ -38,6 +43,29 @@ def two_nodes(argv: list[str], run_id: str) -> list[subprocess.CompletedProcess]
     return done
 
 
+def listening(port: int) -> list[str]:
+    """The local addresses listening on `port`, from Linux's socket tables (hex, as the kernel writes them)."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:] if os.path.exists(table) else []:
+            local, state = line.split()[1], line.split()[3]
+            if state == "0A" and int(local.split(":")[1], 16) == port:  # 0A: LISTEN
+                found.append(local.split(":")[0])
+    return found
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's socket tables")
+def test_the_launcher_s_store_listens_on_loopback_only():
+    """It is unauthenticated: on every interface ([::], TCPStore's own choice whatever host it is given),
+    anyone who reached the port could join or upset the run (planted: TCPStore("127.0.0.1", 0, ...)
+    listens on [::])."""
+    store = _rendezvous(10.0)
+    assert listening(store.port) == ["0100007F"]  # 127.0.0.1
+    rank = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=10))
+    rank.set("reached", "yes")
+    assert store.get("reached") == b"yes"
+
+
 def losses(out: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -62,4 +90,7 @@ def test_two_nodes_train_like_one_process(tmp_path, tiny_data):
     assert (two / "checkpoints" / "latest").read_text() == "step-00000004"  # each node wrote its shard
     reference, curve = losses(one), losses(two)
     assert len(curve) == 4 and curve[-1] < curve[0]
-    assert max(abs(a - b) / abs(b) for a, b in zip(curve, reference)) <= 1e-5
+    # sized, not derived: the same global batch summed over 2 ranks differs by 2.0e-7 (measured 2026-11-26);
+    # ranks that all take the global batch's first rows, by 4.4e-2 (tests/plants.py: ranks_take_the_same_rows)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(curve, reference))
+    assert worst <= 1e-5, f"two nodes differ from one process by {worst:.2e}"

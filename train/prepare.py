@@ -1,12 +1,13 @@
 """python -m train.prepare: text into the token ids that `python -m train --data DATA_DIR` memory-maps.
 
     python -m train.prepare --tokenizer PATH/tokenizer.json --out DATA_DIR [--val-fraction F] [--eos TOKEN]
-                            FILES_OR_DIRS...
+                            [--bos auto|always|never] FILES_OR_DIRS...
 
 A plain file is one document; a .jsonl file holds one document per line, in its "text"
 field. Directories are walked in sorted path order (hidden files and the output directory
-left out). Every document is followed by the tokenizer's end-of-text id, and whole
-documents, chosen by a hash of their index, go to val.bin. The output is nanoGPT's flat
+left out). Every document is followed by the tokenizer's end-of-text id, and preceded by its
+beginning-of-text id where its post-processor adds one (--bos auto; train/prepare_specials.py), and
+whole documents, chosen by a hash of their index, go to val.bin. The output is nanoGPT's flat
 layout: train.bin and val.bin of uint16 ids (uint32 past 65536 entries), and meta.json.
 
 It streams: documents are read and encoded in batches (`encode_batch`: Rust, every core,
@@ -34,14 +35,12 @@ from tqdm import tqdm
 
 from train.data import DataError, one_line
 from train.documents import batches, input_files
+from train.prepare_specials import BOS_MODES, EOS_NAMES, find_bos, find_eos
 from zerofunc.usage import ArgumentParser, UsageError
 
 EXIT_WRITE_FAILED = 1  # the output could not be written (disk full, ...): the temporary files are removed
 EXIT_USAGE = 2         # bad input: flags, tokenizer, documents, output directory
 EXIT_INTERRUPTED = 130
-# The names end-of-text goes by in the tokenizers people fine-tune (GPT-2/Qwen/Phi, Llama 3, Llama 2/Mistral,
-# ChatML, Gemma), in order of preference: Qwen2 has <|endoftext|> and <|im_end|>, and documents end in the first.
-EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<|im_end|>", "<eos>")
 _MASK64 = (1 << 64) - 1
 
 
@@ -55,6 +54,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--eos", default=None, metavar="TOKEN",
                    help="the token that ends each document (default: the tokenizer's end-of-text token, "
                         f"one of {' '.join(EOS_NAMES)})")
+    p.add_argument("--bos", choices=BOS_MODES, default="auto",
+                   help="the beginning-of-text token before each document: auto, where the tokenizer's post-processor "
+                        "adds one (Llama 3, Llama 2, Gemma; not GPT-2, Qwen2), as tokenizer(text) does; always (the "
+                        "post-processor's, else the tokenizer's <|begin_of_text|>, <s>, ...); never (default auto)")
     p.add_argument("inputs", nargs="+", metavar="FILES_OR_DIRS",
                    help="text files (one document each), .jsonl files (a document per line, its \"text\"), directories")
     a = p.parse_args(argv)
@@ -86,23 +89,6 @@ def load_tokenizer(path: str | Path) -> tuple[Tokenizer, str]:
     # script appends end documents (tiktoken's encode_ordinary, which nanoGPT uses, does the same).
     tokenizer.encode_special_tokens = True
     return tokenizer, hashlib.sha256(raw).hexdigest()
-
-
-def find_eos(tokenizer: Tokenizer, name: Optional[str], path: str) -> int:
-    """The id appended after every document: `name` if given, else the first of EOS_NAMES the tokenizer
-    has among its added (special) tokens, else in its vocabulary."""
-    if name is not None:
-        eos = tokenizer.token_to_id(name)
-        if eos is None:
-            raise DataError(f"--eos {name!r} is not a token of {path}")
-        return eos
-    added = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items()}
-    found = ([added[n] for n in EOS_NAMES if n in added]
-             or [i for i in map(tokenizer.token_to_id, EOS_NAMES) if i is not None])
-    if found:
-        return found[0]
-    raise DataError(f"tokenizer {path} has none of the end-of-text tokens {' '.join(EOS_NAMES)}: "
-                    f"name the token that ends a document with --eos TOKEN")
 
 
 def vocab_size(tokenizer: Tokenizer) -> int:
@@ -161,10 +147,11 @@ class SplitFile:
 
 
 def prepare(tokenizer_path: str | Path, out: str | Path, inputs: list[str | Path], val_fraction: float = 0.005,
-            eos: Optional[str] = None, progress: bool = False) -> dict:
+            eos: Optional[str] = None, progress: bool = False, bos: str = "auto") -> dict:
     """Tokenize `inputs` into out/train.bin, val.bin and meta.json; returns the meta written."""
     tokenizer, sha = load_tokenizer(tokenizer_path)
     eos_id = find_eos(tokenizer, eos, str(tokenizer_path))
+    bos_ids = find_bos(tokenizer, bos, str(tokenizer_path))
     vocab = vocab_size(tokenizer)
     dtype = token_dtype(vocab)
     out = Path(out)
@@ -181,7 +168,7 @@ def prepare(tokenizer_path: str | Path, out: str | Path, inputs: list[str | Path
         _discard(out, created, splits)
         raise DataError(f"--out {out} cannot be written: {one_line(e)}") from None
     try:
-        max_id = _encode_all(tokenizer, eos_id, files, total_bytes, splits, val_fraction, progress)
+        max_id = _encode_all(tokenizer, bos_ids, eos_id, files, total_bytes, splits, val_fraction, progress)
         total = splits["train"].documents + splits["val"].documents
         if total == 0:
             raise DataError(f"no documents found in {where}")
@@ -191,7 +178,7 @@ def prepare(tokenizer_path: str | Path, out: str | Path, inputs: list[str | Path
         for empty, full in (("val", "train"), ("train", "val")):
             if splits[empty].documents == 0:
                 splits[empty].append([splits[full].pop_last()])
-        meta = {"dtype": dtype, "vocab_size": vocab, "eos_id": eos_id, "max_id": max_id,
+        meta = {"dtype": dtype, "vocab_size": vocab, "eos_id": eos_id, "bos_ids": bos_ids, "max_id": max_id,
                 "train_tokens": splits["train"].tokens, "val_tokens": splits["val"].tokens,
                 "train_documents": splits["train"].documents, "val_documents": splits["val"].documents,
                 "tokenizer_sha256": sha, "tokenizer": str(Path(tokenizer_path).resolve())}
@@ -213,8 +200,8 @@ def _discard(out: Path, created: bool, splits: dict) -> None:
             out.rmdir()  # only if empty
 
 
-def _encode_all(tokenizer: Tokenizer, eos_id: int, files: list[Path], total_bytes: int, splits: dict,
-                val_fraction: float, progress: bool) -> int:
+def _encode_all(tokenizer: Tokenizer, bos_ids: list[int], eos_id: int, files: list[Path], total_bytes: int,
+                splits: dict, val_fraction: float, progress: bool) -> int:
     """Stream every document through the tokenizer into its split; the largest id written.
 
     encode_batch releases the GIL while its threads work, so batch k + 1 is read and encoded while this
@@ -224,13 +211,13 @@ def _encode_all(tokenizer: Tokenizer, eos_id: int, files: list[Path], total_byte
     """
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="tokenizing",
                file=sys.stderr, dynamic_ncols=True, disable=not progress)
-    max_id, index = eos_id, 0
+    max_id, index = max([eos_id, *bos_ids]), 0
 
     def write(encoded, size: int) -> None:
         nonlocal max_id, index
         routed = {"train": [], "val": []}
         for enc in encoded.result():
-            routed["val" if is_val(index, val_fraction) else "train"].append(enc.ids + [eos_id])
+            routed["val" if is_val(index, val_fraction) else "train"].append(bos_ids + enc.ids + [eos_id])
             index += 1
         for name, docs in routed.items():
             if docs:
@@ -240,6 +227,7 @@ def _encode_all(tokenizer: Tokenizer, eos_id: int, files: list[Path], total_byte
     with bar, ThreadPoolExecutor(1) as pool:
         pending = None
         for texts, size in batches(files):
+            # the special tokens are bos_ids and eos_id, written here (train/prepare_specials.py)
             encoding = pool.submit(tokenizer.encode_batch_fast, texts, add_special_tokens=False), size
             if pending is not None:
                 write(*pending)
@@ -267,7 +255,7 @@ def _commit(out: Path, splits: dict, meta: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     try:
         a = parse(argv)
-        meta = prepare(a.tokenizer, a.out, a.inputs, a.val_fraction, a.eos, progress=sys.stderr.isatty())
+        meta = prepare(a.tokenizer, a.out, a.inputs, a.val_fraction, a.eos, progress=sys.stderr.isatty(), bos=a.bos)
     except (UsageError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -279,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     print(f"wrote {a.out}: {meta['train_tokens']:,} training tokens in {meta['train_documents']:,} documents, "
           f"{meta['val_tokens']:,} validation tokens in {meta['val_documents']:,} ({meta['dtype']}, vocabulary "
-          f"{meta['vocab_size']:,}, end of text {meta['eos_id']})")
+          f"{meta['vocab_size']:,}, beginning of text {' '.join(map(str, meta['bos_ids'])) or 'none'}, "
+          f"end of text {meta['eos_id']})")
     return 0
 
 

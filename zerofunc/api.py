@@ -31,6 +31,11 @@ def initialize(model: nn.Module, config: dict | str | Path | Config, *, device: 
     """
     world = comm.world_size if comm is not None else dist.get_world_size() if dist.is_initialized() else 1
     cfg = config if isinstance(config, Config) else parse(config, world)  # bad input fails before any set-up
+    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+    if frozen:  # the engine would train them: refused until frozen weights are supported
+        raise ValueError(f"{len(frozen)} parameter(s) have requires_grad=False ({', '.join(frozen[:3])}"
+                         f"{', ...' if len(frozen) > 3 else ''}): zerofunc trains every parameter and cannot freeze "
+                         "any yet; set requires_grad=True or leave them out of the model")
     if comm is None and not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     given = comm is not None
@@ -63,7 +68,7 @@ def initialize(model: nn.Module, config: dict | str | Path | Config, *, device: 
                         memory=memory, grad_accum=cfg.grad_accum, clip=cfg.clip, loss_scaler=cfg.loss_scaler(),
                         overlap=cfg.overlap, compile=torch.device(device).type == "cuda" if compile is None else compile,
                         checkpointing=cfg.checkpointing, offload_optimizer=cfg.offload_optimizer, replicas=replicas,
-                        secondary=secondary if cfg.hpz is not None else None)
+                        secondary=secondary if cfg.hpz is not None else None, reduce_dtype=cfg.reduce_dtype)
     engine.optimizer.lr_schedule = cfg.lr
     engine.config = cfg
     if real:

@@ -26,6 +26,7 @@ from zerofunc.optim import AdamWConfig
 from zerofunc.overlap import Overlap
 from zerofunc.recompute import ActivationCheckpointing
 from zerofunc.schedule import Schedule
+from zerofunc.units import PRECISIONS, check_reduce_dtype
 
 
 # Bounds on what a run may ask for, orders of magnitude past any real run: beyond them a run would
@@ -56,6 +57,7 @@ class Config:
     shard_group: Optional[int] = None  # hybrid sharding: ranks per shard group (None: the whole world)
     hpz: Optional[int] = None  # stage 3: ranks backward gathers from, each keeping 1/hpz after forward (None: off)
     comm_timeout: float = 300.0  # seconds a collective waits for the other ranks (zerofunc's key; DeepSpeed has none)
+    reduce_dtype: Optional[str] = None  # communication_data_type: gradients' reduction dtype (None: the compute dtype)
     ignored: tuple[str, ...] = ()
 
     def loss_scaler(self) -> Optional[LossScaler]:
@@ -99,7 +101,7 @@ def parse(source: dict | str | Path, world_size: int) -> Config:
     ignored: list[str] = []
     known = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
              "zero_optimization", "fp16", "bf16", "gradient_clipping", "optimizer", "scheduler",
-             "activation_checkpointing", "comm_timeout"}
+             "activation_checkpointing", "comm_timeout", "communication_data_type"}
     sections.check_keys(raw, known, IGNORED_TOP, "", ignored)
 
     zero = sections.section_of(raw, "zero_optimization")
@@ -127,13 +129,23 @@ def parse(source: dict | str | Path, world_size: int) -> Config:
     comm_timeout = sections.number(raw, "comm_timeout", 300.0, "comm_timeout", float)
     if not 0 < comm_timeout <= MAX_COMM_TIMEOUT_S:
         raise ConfigError(f"comm_timeout must be a number of seconds in (0, {MAX_COMM_TIMEOUT_S}], got {comm_timeout}")
+    reduce_dtype = raw.get("communication_data_type")
+    if reduce_dtype is not None:
+        if reduce_dtype not in PRECISIONS:
+            raise ConfigError(f"communication_data_type must be one of {', '.join(PRECISIONS)} or null, got "
+                              f"{json.dumps(reduce_dtype)}")
+        try:
+            check_reduce_dtype(reduce_dtype, precision)
+        except ValueError as e:
+            raise ConfigError(f"communication_data_type: {e}") from None
     mb, gas, tbs = _batch_triple(raw, world_size)
     try:
         return Config(stage=stage, micro_batch=mb, grad_accum=gas, train_batch_size=tbs, precision=precision,
                       clip=clip, optimizer=sections.optimizer(raw, ignored), fp16=fp16,
                       schedule=sections.schedule(raw), overlap=sections.overlap(zero, precision),
                       checkpointing=sections.checkpointing(raw, ignored), offload_optimizer=offload,
-                      shard_group=shard_group, hpz=hpz, comm_timeout=comm_timeout, ignored=tuple(ignored))
+                      shard_group=shard_group, hpz=hpz, comm_timeout=comm_timeout, reduce_dtype=reduce_dtype,
+                      ignored=tuple(ignored))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -26,7 +26,7 @@ MAX_SCALE_POWER = 64            # fp16.initial_scale_power: a loss scale of 2**6
 
 IGNORED_TOP = {"steps_per_print", "wall_clock_breakdown", "dump_state", "prescale_gradients",
                "gradient_predivide_factor", "sparse_gradients", "zero_allow_untested_optimizer",
-               "communication_data_type", "tensorboard", "wandb", "csv_monitor", "comms_logger",
+               "tensorboard", "wandb", "csv_monitor", "comms_logger",
                "flops_profiler", "memory_breakdown", "seq_parallel_communication_data_type",
                "data_types", "checkpoint", "elasticity", "aio", "zero_force_ds_cpu_optimizer"}
 IGNORED_ZERO = {"contiguous_gradients", "allgather_bucket_size",

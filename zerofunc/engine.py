@@ -45,7 +45,7 @@ from zerofunc.recompute import ActivationCheckpointing, checkpointed
 from zerofunc.sharded_optim import ShardedAdamW
 from zerofunc.stages import Stage
 from sim.memory import NoMemoryTracking
-from zerofunc.units import PRECISIONS, InitFn, Unit, materialize, partition
+from zerofunc.units import PRECISIONS, InitFn, Unit, check_reduce_dtype, materialize, partition
 
 
 class ZeroEngine(WholeState):
@@ -67,6 +67,9 @@ class ZeroEngine(WholeState):
     gradient shard is averaged over it once per optimizer step, at the accumulation boundary.
     `secondary` (hpZ, stage 3): k consecutive ranks inside the shard group, from which backward
     gathers the weights each rank kept 1/k of after forward (zerofunc.gather).
+    `reduce_dtype` (DeepSpeed's communication_data_type, FSDP2's reduce_dtype): the dtype gradients are
+    accumulated across micro-steps, reduced over the ranks and handed to the optimizer in; by default
+    the compute dtype's. "fp32" under bf16 or fp16 sums in fp32 what 16-bit sums would round at every add.
     """
 
     def __init__(self, model: nn.Module, stage: Stage, comm: Communicator, optim: AdamWConfig,
@@ -75,9 +78,12 @@ class ZeroEngine(WholeState):
                  grad_accum: int = 1, clip: float = 0.0, loss_scaler: Optional[LossScaler] = None,
                  overlap: Overlap = Overlap(), compile: bool = False,
                  checkpointing: ActivationCheckpointing = ActivationCheckpointing(), offload_optimizer: bool = False,
-                 replicas: Optional[Communicator] = None, secondary: Optional[Communicator] = None):
+                 replicas: Optional[Communicator] = None, secondary: Optional[Communicator] = None,
+                 reduce_dtype: Optional[str] = None):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        check_reduce_dtype(reduce_dtype, precision)
+        self.reduce_dtype = PRECISIONS[reduce_dtype or precision]
         if grad_accum < 1 or clip < 0:
             raise ValueError(f"need grad_accum >= 1 and clip >= 0, got {grad_accum} and {clip}")
         if offload_optimizer and not stage.shard_optimizer:
@@ -100,7 +106,7 @@ class ZeroEngine(WholeState):
             unit_names = model.shard_units() if hasattr(model, "shard_units") else []
         self.offload = OptimizerOffload(self.device, self.memory) if offload_optimizer else None
         self.units = [materialize(name, module, named, comm.world_size, comm.rank, stage, self.device, init,
-                                  PRECISIONS[precision], self.memory, self.offload)
+                                  PRECISIONS[precision], self.memory, self.offload, self.reduce_dtype)
                       for name, module, named in partition(model, unit_names)]
         self.numel = sum(u.numel for u in self.units)
         self.optimizer = ShardedAdamW(self.units, stage, comm, optim, self.memory, clip, loss_scaler,
@@ -225,6 +231,8 @@ class ZeroEngine(WholeState):
         if not self._in_backward:  # loss.backward(): the gradient would be kept but never reduced or stepped
             raise RuntimeError("backward ran outside the engine: call engine.backward(loss), not loss.backward()")
         stage, comm = self.stage, self.comm
+        if grad.dtype != self.reduce_dtype:  # accumulated and reduced in the configured dtype from here on
+            grad = grad.to(self.reduce_dtype)
         nbytes = grad.numel() * grad.element_size()
         overlapped = self._reducing.overlaps(nbytes)
         if not stage.shard_grads:

@@ -19,30 +19,24 @@ fp32 master and the 16-bit working copy).
 
 `check(model)` compares the files' names and shapes with the model's parameters, reading
 headers only; every mismatch is a `WeightsError` whose one line names the tensor and the file.
+Which file holds each tensor, and opening it without reading outside the model directory, is
+zerofunc/hf_files.py.
 """
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.nn as nn
-from safetensors import safe_open
 
-from zerofunc.checkpoint_files import CheckpointError, check_files, read_manifest, resolve, saved_spans
+from zerofunc.checkpoint_files import CheckpointError, check_file, read_manifest, resolve, saved_spans
+from zerofunc.hf_files import INDEX, SINGLE, WeightsError, open_safetensors, weight_files
 from zerofunc.hf_names import HFNames, hf_names
 from zerofunc.layout import FlatLayout
 from sim.memory import NoMemoryTracking
-
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
-
-
-class WeightsError(ValueError):
-    """Pretrained weights that do not fit the model, or cannot be read; the message is one line."""
 
 
 @contextlib.contextmanager
@@ -115,50 +109,6 @@ def _read_range(handle, key: str, shape: tuple[int, ...], lo: int, hi: int, tran
     memory.drop(held)
 
 
-def _open(path: Path):
-    try:
-        return safe_open(str(path), framework="pt")
-    except FileNotFoundError:
-        raise WeightsError(f"cannot read {path}: no such file") from None
-    except Exception as e:  # safetensors' own errors: a truncated or corrupt header
-        raise WeightsError(f"cannot read {path}: {type(e).__name__}: {e}") from None
-
-
-def weight_files(path: str | Path) -> dict[str, Path]:
-    """Each tensor's file: from the index of a sharded directory, or the header of one file."""
-    p = Path(path)
-    if p.is_dir():
-        index = p / INDEX
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                raise WeightsError(f"cannot read {index}: {type(e).__name__}: {e}") from None
-            if not isinstance(weight_map, dict):
-                raise WeightsError(f"{index}: weight_map is not an object")
-            files = {}
-            for key, name in weight_map.items():
-                f = p / str(name)
-                if not f.is_file():
-                    raise WeightsError(f"{index} maps tensor {key} to {name}, which does not exist")
-                files[key] = f
-            for f in sorted(set(files.values())):  # the index must say what the files hold
-                with _open(f) as h:
-                    held = set(h.keys())
-                for key in (k for k, v in files.items() if v == f and k not in held):
-                    raise WeightsError(f"{index} maps tensor {key} to {f.name}, which does not hold it")
-            return files
-        if not (p / SINGLE).is_file():
-            raise WeightsError(f"{p} holds neither {SINGLE} nor {INDEX}")
-        p = p / SINGLE
-    elif not p.is_file():
-        raise WeightsError(f"--init-from {p}: no such file or directory")
-    elif p.suffix != ".safetensors":
-        raise WeightsError(f"{p} is not a .safetensors file, a model directory or a zerofunc checkpoint")
-    with _open(p) as h:
-        return {key: p for key in h.keys()}
-
-
 class SafetensorsWeights:
     """A Hugging Face model's weights in safetensors files, read range by range."""
 
@@ -172,7 +122,7 @@ class SafetensorsWeights:
 
     def _handle(self, f: Path):
         if f not in self._handles:
-            self._handles[f] = _open(f)
+            self._handles[f] = open_safetensors(f)
         return self._handles[f]
 
     def check(self, model: nn.Module) -> None:
@@ -225,7 +175,6 @@ class CheckpointWeights:
             for slot in FlatLayout.build(unit["params"], self.manifest["world_size"]).slots:
                 self.where[slot.name], self.shapes[slot.name] = (i, slot.offset), slot.shape
         self._handles: dict[str, object] = {}
-        self._checked = False
 
     def check(self, model: nn.Module) -> None:
         mine = {n: tuple(p.shape) for n, p in model.named_parameters()}
@@ -239,23 +188,26 @@ class CheckpointWeights:
             raise WeightsError(f"unexpected tensor {name} in checkpoint {self.ckpt}: the model has no such parameter")
 
     def read_into(self, name: str, shape: tuple[int, ...], lo: int, hi: int, out: torch.Tensor, memory) -> None:
-        if not self._checked:  # the files' checksums, once, before the first read
-            try:
-                check_files(self.ckpt, self.manifest)
-            except CheckpointError as e:
-                raise WeightsError(str(e)) from None
-            self._checked = True
         unit, offset = self.where[name]
         start, stop = offset + lo, offset + hi
         for f, a, b in saved_spans(self.manifest, unit):
             lo_, hi_ = max(a, start), min(b, stop)
             if lo_ < hi_:
-                if f not in self._handles:
-                    self._handles[f] = _open(self.ckpt / f)
+                if f not in self._handles:  # a file's checksum before its first read, of the files read only
+                    self._handles[f] = self._checked_open(f)
                 piece = self._handles[f].get_slice(f"{unit}.master")[lo_ - a:hi_ - a]
                 held = memory.hold(piece.numel() * piece.element_size(), "other")
                 out[lo_ - start:hi_ - start].copy_(piece)
                 memory.drop(held)
+
+    def _checked_open(self, f: str):
+        """Rank file `f`, hashed whole first. Only the files a rank reads are hashed by it: every rank
+        hashing every file read a 70B checkpoint once per rank (~54 TB on 64 ranks)."""
+        try:
+            check_file(self.ckpt, self.manifest, f)
+        except CheckpointError as e:
+            raise WeightsError(str(e)) from None
+        return open_safetensors(self.ckpt / f)
 
     def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         out = torch.empty(math.prod(shape), dtype=torch.float32)

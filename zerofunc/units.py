@@ -26,6 +26,15 @@ parameter into `out`: pretrained weights (zerofunc/pretrained.py) read just a ra
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def check_reduce_dtype(reduce_dtype: Optional[str], precision: str) -> None:
+    """Gradients reduce in the compute dtype or, under bf16 and fp16, in fp32 (None: the compute dtype's).
+    ValueError otherwise: a narrower reduction than the gradients would only lose bits."""
+    if reduce_dtype is None or reduce_dtype == precision or (reduce_dtype == "fp32" and precision in ("bf16", "fp16")):
+        return
+    raise ValueError(f"gradients computed in {precision} reduce in {precision}"
+                     f"{' or fp32' if precision != 'fp32' else ''}, not {reduce_dtype!r}")
+
+
 @dataclass(eq=False)
 class Unit:
     """One unit's state on one rank.
@@ -79,7 +88,8 @@ def partition(model: nn.Module, unit_names: list[str]) -> list[tuple[str, nn.Mod
 
 
 def materialize(name: str, module: nn.Module, named: list, world_size: int, rank: int, stage: Stage,
-                device: torch.device, init: Optional[InitFn], dtype: torch.dtype, memory, offload=None) -> Unit:
+                device: torch.device, init: Optional[InitFn], dtype: torch.dtype, memory, offload=None,
+                grad_dtype: Optional[torch.dtype] = None) -> Unit:
     """Allocate one unit on `device` and fill only what this rank keeps.
 
     Each parameter is drawn whole from `init` (so its values do not depend on the
@@ -87,7 +97,8 @@ def materialize(name: str, module: nn.Module, named: list, world_size: int, rank
     stage 3 no rank ever holds a whole unit, let alone the model, in fp32. The master
     copy is filled from the fp32 values, not from their 16-bit rounding. On the meta
     device nothing is initialized. With `offload` (a zerofunc.offload.OptimizerOffload),
-    the optimizer's state and a staging buffer are allocated in host memory.
+    the optimizer's state and a staging buffer (of `grad_dtype`, the reduced gradient's; default
+    `dtype`) are allocated in host memory.
     """
     layout = FlatLayout.build([(n, p.shape) for n, p in named], world_size)
     whole = (0, layout.padded_numel)
@@ -116,7 +127,7 @@ def materialize(name: str, module: nn.Module, named: list, world_size: int, rank
     if offload is not None:
         master = filled(offload.zeros(owned[1] - owned[0], torch.float32, "optimizer"), owned)
         m, v = (offload.zeros(master.numel(), torch.float32, "optimizer") for _ in range(2))
-        staging = offload.zeros(master.numel(), dtype, "grads")
+        staging = offload.zeros(master.numel(), grad_dtype or dtype, "grads")
     elif dtype != torch.float32:
         master = filled(allocated("optimizer", lambda: torch.zeros(owned[1] - owned[0], device=device,
                                                                    dtype=torch.float32)), owned)

@@ -38,6 +38,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=4, help="sequences per rank")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's context)")
     p.add_argument("--precision", default=None, help="fp32, bf16 or fp16 (default: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--reduce-dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                   help="the dtype gradients reduce in (default: --precision's; communication_data_type)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA if available")
     p.add_argument("--hardware", default=None, help="the profile to plan with (default: the device's)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
@@ -80,7 +82,8 @@ def _setup(a: argparse.Namespace) -> tuple[torch.device, list[Plan]]:
     if a.shard_group is not None and a.shard_group < 1:
         raise ValueError(f"--shard-group must be at least 1, got {a.shard_group}")
     plans = [Plan(world_size=ws, stage=s, model=a.model, precision=precision, micro_batch=a.micro_batch, seq=a.seq,
-                  hardware=hardware, shard_group=a.shard_group) for s in stages for ws in _world_sizes(a.world_sizes)]
+                  hardware=hardware, shard_group=a.shard_group, reduce_dtype=a.reduce_dtype)
+             for s in stages for ws in _world_sizes(a.world_sizes)]
     return device, plans
 
 
@@ -114,14 +117,15 @@ def _row(cell, cuda: bool) -> list[str]:
            f"{cell.peak_ratio:.4f}", f"{cell.planned_comm:,}", f"{cell.measured_comm:,}",
            "yes" if cell.ledger_equal else "NO"]
     if cuda:
-        row += [f"{cell.tracked_peak / MiB:.2f}", f"{cell.reserved / MiB:.2f}", f"{cell.planned_compute_s * 1e3:.2f}",
+        row += [f"{cell.tracked_peak / MiB:.2f}", f"{cell.requested_peak / MiB:.2f}", f"{cell.held_before / MiB:.2f}",
+                f"{cell.reserved / MiB:.2f}", f"{cell.planned_compute_s * 1e3:.2f}",
                 f"{cell.planned_step_s * 1e3:.2f}", f"{cell.measured_step_s * 1e3:.2f}"]
     return row
 
 
 COLUMNS = ["stage", "ranks", "shard group", "planned peak MiB", "measured peak MiB", "ratio", "planned comm B", "executed comm B",
            "same collectives"]
-CUDA_COLUMNS = ["tracked peak MiB", "reserved MiB", "planned compute ms", "planned step ms", "measured step ms"]
+CUDA_COLUMNS = ["tracked peak MiB", "requested peak MiB", "held before MiB", "reserved MiB", "planned compute ms", "planned step ms", "measured step ms"]
 
 
 def main(argv: list[str] | None = None) -> int:

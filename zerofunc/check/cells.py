@@ -11,6 +11,7 @@ over a fake process group of the plan's world size (see world.py). Measured mean
 """
 from __future__ import annotations
 
+import gc
 import math
 import statistics
 import time
@@ -43,6 +44,8 @@ class Cell:
     measured_step_s: Optional[float] = None  # CUDA: median of the measured steps (the fake group moves no data)
     reserved: Optional[int] = None           # CUDA: the caching allocator's reserve at the end
     tracked_peak: Optional[int] = None       # CUDA: the memory tracker's peak of one more step
+    requested_peak: Optional[int] = None     # CUDA: the allocator's peak of bytes asked for, before its rounding
+    held_before: Optional[int] = None        # CUDA: bytes allocated when the cell began (kept by earlier work)
 
     @property
     def peak_ratio(self) -> float:
@@ -78,11 +81,14 @@ def run_cell(plan: Plan, device: torch.device, compile: bool = False, steps: int
     On CUDA a first, unmeasured step warms up (compilation, cuBLAS's workspace).
     """
     sim = simulate(plan)
+    if device.type == "cuda":
+        gc.collect()  # an engine is a web of hooks and closures: the last cell's memory goes only with its cycles
+        torch.cuda.empty_cache()  # the cell starts from an empty reserve
+    held_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
     with simulated_world(plan.world_size, device) as comm:
         comm, replicas = twin_groups(comm, plan.hybrid_group) if plan.hybrid_group else (comm, None)
         cell = _measure(plan, sim, comm, replicas, device, compile, steps)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()  # the next cell starts from an empty reserve
+    cell.held_before = held_before
     return cell
 
 
@@ -90,11 +96,11 @@ def _measure(plan: Plan, sim, comm, replicas, device: torch.device, compile: boo
     cuda = device.type == "cuda"
     with torch.device("meta"):
         model = build_model(plan.config)
-    tracker = MemoryTracker()
+    tracker = MemoryTracker(workspaces=plan.profile.matmul_workspace)  # the device's, as the plan counts them
     engine = initialize(model, plan.zero_config(), device=device, comm=comm, replicas=replicas, memory=tracker,
                         compile=compile, init=lambda name, shape: model.init_param(name, shape, 0))
     batch = [sample_batch(plan, device)]
-    peaks, times, losses, equal, executed = [], [], [], True, 0
+    peaks, times, losses, equal, executed, requested = [], [], [], True, 0, 0
     if cuda:
         train_step(engine, batch)
         torch.cuda.synchronize(device)
@@ -107,6 +113,7 @@ def _measure(plan: Plan, sim, comm, replicas, device: torch.device, compile: boo
             torch.cuda.synchronize(device)
             times.append(time.perf_counter() - t0)
             peaks.append(torch.cuda.max_memory_allocated(device))
+            requested = max(requested, torch.cuda.memory_stats(device).get("requested_bytes.all.peak", 0))
         else:
             tracker.reset_peak()
             with tracker:
@@ -120,6 +127,7 @@ def _measure(plan: Plan, sim, comm, replicas, device: torch.device, compile: boo
     if cuda:
         cell.measured_step_s = statistics.median(times)
         cell.reserved = torch.cuda.memory_reserved(device)
+        cell.requested_peak = requested
         tracker.reset_peak()
         with tracker:
             train_step(engine, batch)

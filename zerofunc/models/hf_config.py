@@ -4,6 +4,17 @@
 config.json whose `model_type` is llama, mistral, qwen2 or gpt2; anything it cannot
 build faithfully (another architecture, an activation other than SiLU, a RoPE type
 other than the default and Llama 3.1's) is a `ValueError` that names it.
+
+What the builder reads, per model type: the shapes (layers, heads, key/value heads, widths,
+vocabulary, context), the activation, RoPE's theta and scaling, RMSNorm's epsilon, a tied
+head; Llama's attention_bias and mlp_bias (Mistral's and Qwen2's models have no such
+switch: Hugging Face ignores them, and so does this), Mistral's sliding_window. Each is
+type-checked: a boolean must be JSON true or false ("false" is not false), a number a
+number. Fields the model would compute with but the builder does not read (`_FIXED`) are
+accepted only at Hugging Face's default value; anything else is refused in one line.
+Everything else a config.json holds (token ids, dtype, initializer_range, use_cache, ...)
+does not change what the weights compute; dropout is the trainer's --dropout, not the file's.
+
 `hf_config_dict(cfg)` goes the other way, so a test can build Hugging Face's model
 from exactly the shapes a preset names.
 """
@@ -17,6 +28,14 @@ from zerofunc.models.gpt2 import GPTConfig
 from zerofunc.models.llama import LlamaConfig, RopeScaling
 
 SUPPORTED = ("llama", "mistral", "qwen2", "gpt2")
+# Fields Hugging Face's model computes with and the builder does not read, at their defaults,
+# where the function the weights compute is the one zerofunc builds
+_FIXED = {
+    "gpt2": {"layer_norm_epsilon": 1e-5, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+             "reorder_and_upcast_attn": False, "add_cross_attention": False},
+    "llama": {}, "mistral": {},
+    "qwen2": {"use_sliding_window": False},  # its window applies to some layers only (max_window_layers)
+}
 # Hugging Face's defaults for the fields a config.json may leave out
 _CONTEXT = {"llama": 2048, "mistral": 32768, "qwen2": 32768}
 _EPS = 1e-6
@@ -59,15 +78,28 @@ def from_hf_dict(doc: dict) -> LlamaConfig | GPTConfig:
             raise ValueError(f"field {key!r} must be a positive number, got {value!r}")
         return float(value)
 
+    def boolean(key: str, default: bool) -> bool:
+        value = doc.get(key, default)
+        if not isinstance(value, bool):
+            raise ValueError(f"field {key!r} must be true or false, got {value!r}")
+        return value
+
+    for key, default in _FIXED[kind].items():
+        value = boolean(key, default) if isinstance(default, bool) else positive_float(key, doc.get(key, default))
+        if value != default:
+            raise ValueError(f"{key} {json.dumps(value)} is not supported (zerofunc builds {kind} with "
+                             f"Hugging Face's default, {json.dumps(default)})")
+
     if kind == "gpt2":
-        if doc.get("n_inner") not in (None, 4 * need("n_embd")):
-            raise ValueError(f"n_inner {doc['n_inner']} is not supported (zerofunc's GPT-2 MLP is 4 x n_embd)")
+        n_embd = positive_int("n_embd")
+        if doc.get("n_inner") not in (None, 4 * n_embd):
+            raise ValueError(f"n_inner {doc['n_inner']!r} is not supported (zerofunc's GPT-2 MLP is 4 x n_embd)")
         if doc.get("activation_function", "gelu_new") != "gelu_new":
             raise ValueError(f"activation_function {doc['activation_function']!r} is not supported (gelu_new)")
-        if doc.get("tie_word_embeddings", True) is not True:
+        if not boolean("tie_word_embeddings", True):
             raise ValueError("an untied GPT-2 head is not supported")
         return GPTConfig(n_layer=positive_int("n_layer"), n_head=positive_int("n_head"),
-                         n_embd=positive_int("n_embd"), vocab_size=positive_int("vocab_size"),
+                         n_embd=n_embd, vocab_size=positive_int("vocab_size"),
                          block_size=positive_int("n_positions", doc.get("n_positions", 1024)))
 
     if doc.get("hidden_act", "silu") != "silu":
@@ -91,11 +123,12 @@ def from_hf_dict(doc: dict) -> LlamaConfig | GPTConfig:
         raise ValueError(f"rope type {rope_type!r} is not supported (default, llama3)")
     window = None
     if kind == "mistral":
-        window = doc.get("sliding_window", 4096)
-    elif kind == "qwen2" and doc.get("use_sliding_window"):
-        raise ValueError("use_sliding_window is not supported for qwen2 (its window applies to some layers only)")
+        window = doc.get("sliding_window", 4096)  # null: none (Mistral v0.2 on)
+        window = None if window is None else positive_int("sliding_window", window)
     heads = positive_int("num_attention_heads")
-    bias = bool(doc.get("attention_bias", False))  # Llama's: on q, k, v and o; Qwen2 has q/k/v biases always
+    # Llama's switches: biases on q, k, v and o, and on the MLP; Qwen2 has q/k/v biases always
+    bias = kind == "llama" and boolean("attention_bias", False)
+    mlp_bias = kind == "llama" and boolean("mlp_bias", False)
     return LlamaConfig(
         n_layer=positive_int("num_hidden_layers"), n_head=heads, n_embd=positive_int("hidden_size"),
         intermediate_size=positive_int("intermediate_size"), vocab_size=positive_int("vocab_size"),
@@ -103,8 +136,8 @@ def from_hf_dict(doc: dict) -> LlamaConfig | GPTConfig:
         head_dim=None if doc.get("head_dim") is None else positive_int("head_dim"),
         block_size=positive_int("max_position_embeddings", doc.get("max_position_embeddings", _CONTEXT[kind])),
         rope_theta=theta, rope_scaling=scaling, rms_norm_eps=positive_float("rms_norm_eps", doc.get("rms_norm_eps", _EPS)),
-        tie_word_embeddings=bool(doc.get("tie_word_embeddings", False)),
-        qkv_bias=kind == "qwen2" or bias, o_bias=bias and kind != "qwen2", mlp_bias=bool(doc.get("mlp_bias", False)),
+        tie_word_embeddings=boolean("tie_word_embeddings", False),
+        qkv_bias=kind == "qwen2" or bias, o_bias=bias, mlp_bias=mlp_bias,
         sliding_window=window, model_type=kind)
 
 

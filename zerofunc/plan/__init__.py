@@ -34,7 +34,7 @@ from zerofunc.overlap import Overlap
 from zerofunc.recompute import ActivationCheckpointing
 from zerofunc.stages import get_stage
 from zerofunc.step import train_step
-from zerofunc.units import PRECISIONS
+from zerofunc.units import PRECISIONS, check_reduce_dtype
 
 MAX_MICRO_BATCH = 1 << 16
 
@@ -65,6 +65,7 @@ class Plan:
     activation_checkpointing: str = "none"         # none, full or selective (zerofunc.recompute)
     ac_every: int = 2                              # selective: one block in ac_every recomputes
     offload_optimizer: bool = False                # the optimizer's state and update on the host (stages 1-3)
+    reduce_dtype: Optional[str] = None             # communication_data_type: gradients reduce in it (None: precision)
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -87,6 +88,7 @@ class Plan:
             raise ValueError("a model of --params alone has no blocks to checkpoint")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        check_reduce_dtype(self.reduce_dtype, self.precision)
         if self.params is not None:
             if self.params < 1:
                 raise ValueError(f"--params must be at least 1, got {self.params}")
@@ -155,7 +157,8 @@ class Plan:
         return Config(stage=self.stage, micro_batch=self.micro_batch, grad_accum=self.grad_accum,
                       train_batch_size=self.micro_batch * self.world_size * self.grad_accum,
                       precision=self.precision, overlap=self.overlap, checkpointing=self.checkpointing,
-                      offload_optimizer=self.offload_optimizer, shard_group=self.hybrid_group, hpz=self.hpz_group)
+                      offload_optimizer=self.offload_optimizer, shard_group=self.hybrid_group, hpz=self.hpz_group,
+                      reduce_dtype=self.reduce_dtype if self.reduce_dtype != self.precision else None)
 
     @property
     def hybrid_group(self) -> Optional[int]:
@@ -263,7 +266,7 @@ def simulate(plan: Plan, timeline: bool = False, timing: bool = True, kernel_cac
         secondary = RecordingCommunicator(0, k, ledger=comm.ledger, staging=profile.collective_staging,
                                           link=links["secondary"])
         secondary.group_name = "secondary"
-    tracker = MemoryTracker(keep_timeline=timeline)
+    tracker = MemoryTracker(keep_timeline=timeline, workspaces=profile.matmul_workspace)
     model = plan.build()
     # Built as the trainer builds it (fp16's loss scaler included), only on meta and without weights.
     engine = initialize(model, plan.zero_config(), device="meta", comm=comm, replicas=replicas, secondary=secondary,

@@ -76,6 +76,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--grad-accum", type=int, default=1, metavar="K",
                    help="micro-steps per optimizer step (default 1); the step planned runs all K")
     p.add_argument("--precision", default="bf16", help="fp32, bf16 or fp16")
+    p.add_argument("--reduce-dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                   help="the dtype gradients are accumulated and reduced in (default: --precision's; fp32 under "
+                        "bf16 or fp16: DeepSpeed's communication_data_type, FSDP2's reduce_dtype)")
     p.add_argument("--hardware", default="h100-sxm", help=f"one of {', '.join(profiles())}")
     p.add_argument("--profiles", metavar="FILE", default=None, help=PROFILES_HELP)
     p.add_argument("--gpu-memory", type=float, default=None,
@@ -124,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                     hardware=a.hardware, prefetch_depth=a.prefetch_depth,
                     bucket_bytes=int(a.bucket_mb * 2**20),
                     activation_checkpointing=a.activation_checkpointing or "none", ac_every=a.ac_every,
-                    offload_optimizer=a.offload_optimizer == "cpu")
+                    offload_optimizer=a.offload_optimizer == "cpu", reduce_dtype=a.reduce_dtype)
         if a.params is None and base.micro_batch * base.tokens > MAX_MICRO_BATCH_TOKENS:
             raise ValueError(f"a micro-batch of {base.micro_batch} x {base.tokens} tokens is over the bound of "
                              f"{MAX_MICRO_BATCH_TOKENS} tokens per rank")

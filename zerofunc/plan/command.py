@@ -30,6 +30,8 @@ def train_args(plan: Plan, nproc: Optional[int] = None) -> list[str]:
     if nproc is not None:
         args += ["--nproc", str(nproc)]
     args += ["--micro-batch", str(plan.micro_batch), "--seq", str(plan.tokens), "--precision", plan.precision]
+    if plan.reduce_dtype not in (None, plan.precision):
+        args += ["--reduce-dtype", plan.reduce_dtype]
     if plan.grad_accum > 1:
         args += ["--grad-accum", str(plan.grad_accum)]
     if plan.hybrid_group is not None:
@@ -49,6 +51,9 @@ def train_args(plan: Plan, nproc: Optional[int] = None) -> list[str]:
         args += ["--bucket-mb", repr(plan.bucket_bytes / 2**20)]  # exact: a power of two divides it
     if not plan.profile.device_names:  # a CPU profile: gloo ranks, even where a GPU is there
         args += ["--device", "cpu"]
+    # The plan simulated the eager step (zerofunc/plan/report.py's EAGER_NOTE); the trainer compiles by default
+    # on CUDA, which changes kernels, activations and time.
+    args += ["--no-compile"]
     return args
 
 

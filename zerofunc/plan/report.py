@@ -43,6 +43,7 @@ class StageReport:
             "world_size": p.world_size,
             "micro_batch": p.micro_batch if p.params is None else None,
             "grad_accum": p.grad_accum,
+            "reduce_dtype": p.reduce_dtype or p.precision,
             "shard_group": p.hybrid_group or p.world_size,
             "hpz": p.hpz_group,
             "activation_checkpointing": p.activation_checkpointing,
