@@ -543,4 +543,13 @@ PLANTS: list[Plant] = [
           "if not plan.profile.device_names:  # a CPU profile", "if False:  # a CPU profile",
           "a plan made for CPU ranks prints a command that trains on the GPU where there is one",
           "issue 30 (recipes)", ("tests/test_plan_dir.py", "-k", "every_plans_command")),
+    # -- issue 31: the tape (zerofunc/tape.py) -------------------------------------------------------------
+    Plant("tape_keeps_one_gradient_of_a_tensor_taken_twice", "zerofunc/tape.py",
+          "g if held is None else held[2] + g)", "g)",
+          "a tensor two later segments take (a residual stream, a mask, a learned bias) gets the last one's gradient",
+          "issue 31", ("tests/test_tape.py",)),
+    Plant("tape_places_unseen_calls_where_they_are_taken", "zerofunc/tape.py",
+          "        segments = self._segments_behind(node, {})\n", "        segments = set()\n",
+          "a custom autograd Function's output is taken as the current segment's: its graph joins an earlier one's",
+          "issue 31", ("tests/test_tape.py",)),
 ]

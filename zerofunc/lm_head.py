@@ -31,6 +31,8 @@ import math
 import torch
 import torch.nn as nn
 
+from zerofunc.tape import overridable
+
 IGNORE_INDEX = -100  # torch's and Hugging Face's: targets equal to it are not counted
 
 
@@ -95,6 +97,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None, None
 
 
+_linear_cross_entropy = overridable(_LinearCrossEntropy.apply)  # seen by zerofunc.tape
+
+
 class LinearCrossEntropy(nn.Module):
     """`F.cross_entropy(F.linear(hidden, weight).float(), targets)` (mean over counted tokens),
     computed chunk by chunk; with `recompute` on, backward recomputes the logits instead of
@@ -119,7 +124,7 @@ class LinearCrossEntropy(nn.Module):
         if not (torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)):
             with torch.no_grad():  # evaluation: the loss alone
                 return _forward_chunks(h, weight, t, valid, rows, keep=False)[0] / count
-        return _LinearCrossEntropy.apply(h, weight, t, valid, count, rows, self.recompute)
+        return _linear_cross_entropy(h, weight, t, valid, count, rows, self.recompute)
 
     def extra_repr(self) -> str:
         return f"recompute={self.recompute}"
@@ -144,6 +149,7 @@ class _TiedEmbedding(torch.autograd.Function):
         return None, grad_weight.index_put_((idx.flatten(),), grad_embedded.flatten(0, -2), accumulate=True)
 
 
+@overridable  # seen by zerofunc.tape, which cuts the forward where blocks start
 def tied_embedding(idx: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`(F.embedding(idx, weight), weight)`, where the head must use the returned weight: its
     gradient then takes the embedding's rows in place."""

@@ -1,0 +1,258 @@
+"""The forward cut into segments, and backward as an explicit loop over them in reverse.
+
+A ZeRO step wants each unit's gradient the moment backward is done with the unit, as a value it
+can reduce, and it wants to know, between two units, that now is the time to gather the next
+one. One autograd graph over the whole forward gives neither: `loss.backward()` runs every node
+in an order autograd picks. So the forward is cut into segments, one per block and the code
+after it up to the next block (the first segment: the code before the first block, e.g. the
+embeddings), and backward differentiates one segment at a time, the last first:
+
+    tape = Tape()
+    with tape:                                   # the model's own forward, any nn.Module
+        ... tape.open(unit) on entering each block ...
+    tape.seed(loss, grad)
+    for segment in reversed(tape.segments):
+        grads = tape.grad(segment, weights)      # this segment's weights' gradients, as values
+
+Each segment's graph is closed: a tensor that requires grad and was made in an earlier segment
+enters a later one through a leaf of its own (a detached alias, sharing its storage), whatever
+the model's code does with it: passes it to the next block (the hidden state), keeps it across
+blocks (a residual stream, a mask, position embeddings), or reads it in the head. The tape sees
+every torch operation of the forward (it is a `TorchFunctionMode`), tags each result with the
+segment that made it, and swaps an older segment's tensor for its leaf as the operation takes
+it. In backward, a segment's outputs are the tensors of it that later segments took, with the
+gradients their leaves received; `torch.autograd.grad` over them gives the gradients of the
+segment's own leaves (handed on to the segments that made their tensors) and of the weights
+asked for. Nothing is computed twice and nothing is saved that one graph would not save: the
+leaves share their tensors' storage, and the graph of each segment is freed as it is
+differentiated. In fp32 the gradients are bit for bit those of `loss.backward()`
+(tests/test_tape.py): autograd sums the same terms in the same order.
+
+Weights are not tagged: a unit's buffer (and the views the model computes with) is a leaf the
+step makes, and `grad` returns its gradient from the segments that used it; a weight used in
+several segments (the root unit's: embeddings, a tied head) gets one gradient from each.
+
+Calls no mode sees (a custom autograd Function's `apply`, code run with torch functions disabled)
+make tensors the tape did not tag. When a seen operation takes one, the tape walks its graph back
+to tagged nodes: made from one segment's tensors, it belongs to that segment; made from two
+segments' tensors, its node would join their graphs, and the tape refuses it in one line.
+`overridable` makes a function seen; zerofunc's own Functions go through it.
+
+zerofunc/engine.py does not use the tape yet: its gradients still arrive through UnitBoundary's
+backward. Moving the engine onto it is issue 31's next step (compiled stage-3 blocks are the
+case still open).
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Optional, Sequence
+
+import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.overrides import TorchFunctionMode, _pop_mode_temporarily, handle_torch_function, has_torch_function
+from torch.utils._pytree import tree_map_only
+
+
+_NODE_TAG = "zerofunc_segment"  # in an autograd node's metadata: the (tape, segment) that made it
+
+
+def overridable(fn):
+    """`fn`, seen by torch function modes as torch's own functions are. Wrap a function that calls a
+    custom autograd Function's `apply` (which no mode sees) with it, so that the tape sees its inputs."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if has_torch_function(args):
+            return handle_torch_function(wrapper, args, *args, **kwargs)
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+class Import(NamedTuple):
+    """An older segment's tensor as a later one took it: `leaf`, the alias the later segment computed
+    with, and where its gradient goes: `edge`, the tensor's place in the autograd graph of the segment
+    `made` that made it. An edge, not the tensor: a view's graph can no longer be reached through the
+    tensor once its base has been written in place (a released and regathered stage-3 weight)."""
+
+    leaf: torch.Tensor
+    edge: GradientEdge
+    made: int
+
+
+@dataclass(eq=False)
+class Segment:
+    """One segment of a forward: `index` in the tape, the `unit` (a name) whose block opened it (None
+    for the first), and what it took from older segments."""
+
+    index: int
+    unit: Optional[str]
+    imports: list[Import] = field(default_factory=list)
+    _taken: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)  # id -> (t, leaf)
+
+
+class Tape(TorchFunctionMode):
+    """Records one forward as segments (see the module's docstring); differentiates them one at a time."""
+
+    _ids = itertools.count()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._id = next(Tape._ids)  # what tensors are tagged with: not the tape, which they would keep alive
+        self.segments: list[Segment] = [Segment(0, None)]
+        self._leaf_import: dict[int, Import] = {}  # id(leaf) -> its import, for a leaf an even later segment takes
+        self._pending: dict[tuple[int, int], tuple[GradientEdge, int, torch.Tensor]] = {}  # edge -> (edge, made, grad)
+
+    # ---- forward ---------------------------------------------------------------------------------------
+    def open(self, unit: str) -> Segment:
+        """A block starts: the operations from here to the next `open` form a new segment."""
+        self.current._taken.clear()  # its tensors may go: a later segment takes them anew
+        self.segments.append(Segment(len(self.segments), unit))
+        return self.segments[-1]
+
+    @property
+    def current(self) -> Segment:
+        return self.segments[-1]
+
+    def _take(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` as the current segment takes it: its own leaf, if an earlier segment made it and it
+        requires grad; else itself."""
+        if not t.requires_grad:
+            return t
+        made = self._made(t)
+        if made is None or made == len(self.segments) - 1:
+            return t
+        seg = self.current
+        taken = seg._taken.get(id(t))  # held with `t`: its id names it while the segment runs
+        if taken is not None:
+            return taken[1]
+        leaf = t.detach().requires_grad_()
+        leaf._zerofunc_segment = (self._id, seg.index)
+        older = self._leaf_import.get(id(t))  # an older segment's leaf: its gradient goes where that one's goes
+        imported = Import(leaf, *(older[1:] if older is not None else (get_gradient_edge(t), made)))
+        seg.imports.append(imported)
+        self._leaf_import[id(leaf)] = imported
+        seg._taken[id(t)] = (t, leaf)
+        return leaf
+
+    def _made(self, t: torch.Tensor) -> Optional[int]:
+        """The segment that made `t`: its autograd node's tag; for a leaf, the segment it is a leaf of
+        (None for a weight or a leaf of the caller's: differentiated wherever it is used)."""
+        if t.grad_fn is None:
+            tag = getattr(t, "_zerofunc_segment", None)
+        else:
+            tag = t.grad_fn.metadata.get(_NODE_TAG)
+            if tag is None:
+                return self._made_unseen(t.grad_fn)
+        return tag[1] if tag is not None and tag[0] == self._id else None
+
+    def _made_unseen(self, node) -> Optional[int]:
+        """The segment of a node made by calls the tape did not see: a custom autograd Function's
+        `apply` (no mode sees it; `overridable` makes one seen), code run with torch functions
+        disabled, views of the weights the engine made before the forward. It belongs to the segment
+        its inputs' nodes belong to, found by walking back through unseen nodes to seen ones; with
+        none behind it (a weight's view) to none: like the weight, it is differentiated wherever it is
+        used. Inputs from two segments would join two segments' graphs, which is refused."""
+        segments = self._segments_behind(node, {})
+        if len(segments) > 1:
+            raise ValueError(f"{type(node).__name__} (a call the tape does not see, such as a custom autograd "
+                             "Function's apply) took tensors made between different blocks: call it through "
+                             "zerofunc.tape.overridable")
+        made = segments.pop() if segments else None
+        node.metadata[_NODE_TAG] = (self._id, made)
+        return made
+
+    def _segments_behind(self, node, seen: dict) -> set[int]:
+        tag = node.metadata.get(_NODE_TAG)
+        if tag is not None:
+            return {tag[1]} if tag[0] == self._id and tag[1] is not None else set()
+        if id(node) not in seen:
+            seen[id(node)] = set()  # a leaf's AccumulateGrad has no next functions: nothing behind it
+            for nxt, _ in node.next_functions:
+                if nxt is not None:
+                    seen[id(node)] |= self._segments_behind(nxt, seen)
+        return seen[id(node)]
+
+    def _tag(self, t: torch.Tensor) -> None:
+        """A result's autograd node belongs to the current segment (an op returning its input in place
+        leaves the input's node, once tagged, as it is)."""
+        if t.grad_fn is not None and _NODE_TAG not in t.grad_fn.metadata:
+            t.grad_fn.metadata[_NODE_TAG] = (self._id, len(self.segments) - 1)
+
+    def __torch_function__(self, func, types, args: Sequence[Any] = (), kwargs=None):
+        # Every torch operation of the forward passes here: arguments are walked by hand one level deep
+        # (a tensor, or a list of them, as torch.cat takes), the pytree only for deeper nesting.
+        args = tuple(self._take_arg(a) for a in args)
+        if kwargs:
+            kwargs = {k: self._take_arg(v) for k, v in kwargs.items()}
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):
+            if out.requires_grad:
+                self._tag(out)
+        elif isinstance(out, (tuple, list)):
+            for o in out:
+                if isinstance(o, torch.Tensor):
+                    if o.requires_grad:
+                        self._tag(o)
+                elif isinstance(o, (tuple, list, dict)):
+                    tree_map_only(torch.Tensor, self._tag, o)
+        return out
+
+    def _take_arg(self, a):
+        if isinstance(a, torch.Tensor):
+            return self._take(a) if a.requires_grad else a
+        if isinstance(a, (tuple, list)) and a:
+            if all(isinstance(x, torch.Tensor) for x in a):
+                return type(a)(self._take(x) if x.requires_grad else x for x in a)
+            return tree_map_only(torch.Tensor, self._take, a)
+        if isinstance(a, dict):
+            return tree_map_only(torch.Tensor, self._take, a)
+        return a
+
+    def unseen(self, fn, *args, **kwargs):
+        """`fn(*args, **kwargs)` as one operation of the current segment, whose inside the tape does not
+        watch: a compiled block (dynamo does not trace a Python mode's bookkeeping). Its tensor arguments
+        are taken, and its results tagged, as any operation's."""
+        args = tuple(self._take_arg(a) for a in args)
+        kwargs = {k: self._take_arg(v) for k, v in kwargs.items()}
+        with _pop_mode_temporarily():  # the tagging too: a tensor's properties are operations the mode sees
+            out = fn(*args, **kwargs)
+            for t in (out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (tuple, list)) else ():
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    self._tag(t)
+        return out
+
+    # ---- backward --------------------------------------------------------------------------------------
+    def seed(self, output: torch.Tensor, grad: torch.Tensor) -> None:
+        """Backward starts from `output` (the loss) with gradient `grad` (the loss scale)."""
+        made = self._made(output) if output.grad_fn is not None else None
+        if made is None:
+            raise ValueError("the loss was not computed inside this tape's forward")
+        self._hand_on(get_gradient_edge(output), made, grad)
+
+    def _hand_on(self, edge: GradientEdge, made: int, g: torch.Tensor) -> None:
+        key = (id(edge.node), edge.output_nr)
+        held = self._pending.get(key)
+        self._pending[key] = (edge, made, g if held is None else held[2] + g)
+
+    def grad(self, segment: Segment, weights: Sequence[torch.Tensor]) -> list[Optional[torch.Tensor]]:
+        """Differentiate `segment`: hand its leaves' gradients to the segments that made their tensors,
+        and return the gradients of `weights` through this segment (None where it did not use one).
+        Segments are differentiated last first, each once."""
+        segment._taken.clear()
+        outputs, grads = [], []
+        for key, (edge, made, g) in list(self._pending.items()):
+            if made == segment.index:
+                outputs.append(edge)
+                grads.append(g)
+                del self._pending[key]
+        imports, segment.imports = segment.imports, []
+        if not outputs:
+            return [None] * len(weights)
+        got = torch.autograd.grad(outputs, [i.leaf for i in imports] + list(weights), grads, allow_unused=True)
+        for i, g in zip(imports, got):
+            if g is not None:
+                self._hand_on(i.edge, i.made, g)
+        if segment.index == 0 and self._pending:
+            raise RuntimeError(f"{len(self._pending)} gradients were handed to no segment")
+        return list(got[len(imports):])
