@@ -6,7 +6,7 @@
     python -m tests.plants --check          only whether each plant still applies (no tests run)
     python -m tests.plants --baseline ...   first run each selection without its plant: it must pass
 
-The entries are in tests/plant_register.py. For each plant the working tree (the files `git ls-files
+The entries are in tests/plant_register/ (a file per area). For each plant the working tree (the files `git ls-files
 -co --exclude-standard` lists: tracked ones and untracked ones git does not ignore, so uncommitted work
 counts) is copied to a temporary directory, the plant applied there, and `python -m pytest -q -x -p no:cacheprovider SELECTION` run with the copy as the working
 directory and as PYTHONPATH: the tests, and the ranks and commands they spawn, import the copy, not the

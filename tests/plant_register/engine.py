@@ -1,0 +1,131 @@
+"""The plant register: the engine: the review's plants (issue 30), equivalence, collectives, the levers."""
+from __future__ import annotations
+
+from tests.plant_register.common import Plant, ENG, OPT, COMM, CKPT, HYBRID_REPLICAS, EQ1, EQ2, HYBRID2, SKIP_RESUME, FAST
+
+PLANTS: list[Plant] = [
+    # -- the review's plants (issue 30): caught by the tests issue 30 adds (tests/steps.py, test_hybrid, test_faults)
+    Plant("adamw_first_moment_not_kept", OPT,
+          "adamw_fused_(unit.master, unit.grad, unit.m, unit.v,", "adamw_fused_(unit.master, unit.grad, unit.m.clone(), unit.v,",
+          "AdamW's first moment is never written back: every step starts from m = 0, momentum is lost",
+          "issue 30 review", (EQ1,)),
+    Plant("hybrid_grad_norm_over_replicas", OPT,
+          '            self.comm.all_reduce(stats, tag="grad_norm", mean=False)\n',
+          '            self.comm.all_reduce(stats, tag="grad_norm", mean=False)\n'
+          '            if getattr(self, "replicas", None) is not None:\n'
+          '                self.replicas.all_reduce(stats, tag="grad_norm", mean=False)\n',
+          "hybrid sharding's gradient norm also sums over the replicas (sqrt(R) too large): clipping clips too hard",
+          "issue 30 review", (HYBRID2,),
+          also=((ENG, "                                      overlap.bucket_bytes, self.offload)\n",
+                 "                                      overlap.bucket_bytes, self.offload)\n"
+                 "        self.optimizer.replicas = self.replicas\n"),)),
+    Plant("hybrid_replicas_every_micro_step", ENG, HYBRID_REPLICAS,
+          HYBRID_REPLICAS.replace("is not None and self._boundary:", "is not None:"),
+          "the replicas' all-reduce runs every micro-step: the same numbers for twice the traffic",
+          "issue 30 review", (HYBRID2,)),
+    Plant("hybrid_offload_before_replicas_average", ENG,
+          "            then = to_host if self.offload is not None and self._boundary else None\n",
+          "            then = None\n"
+          "            if self.offload is not None and self._boundary:  # down before the replicas' average\n"
+          "                device_grad = unit.grad\n"
+          "                to_host()\n"
+          "                host, unit.grad = unit.grad, device_grad\n"
+          "                then = lambda: setattr(unit, 'grad', host)  # noqa: E731\n",
+          "hybrid sharding with optimizer offload updates from the un-averaged gradient shard",
+          "issue 30 review", (HYBRID2,)),
+    Plant("resume_step_as_optimizer_steps", CKPT,
+          'opt.step_count = manifest["optimizer_steps"]', 'opt.step_count = manifest["step"]',
+          "after skipped steps a resume restores the training step as AdamW's step count: wrong bias corrections",
+          "issue 30 review", (SKIP_RESUME,)),
+    # -- equivalence (issues 2 and 22) -------------------------------------------------------------------
+    Plant("gradients_summed_not_averaged", COMM,
+          "return dist.ReduceOp.AVG if mean else dist.ReduceOp.SUM", "return dist.ReduceOp.SUM",
+          "gradients are summed over ranks, not averaged: N ranks train at N times the learning rate",
+          "issue 2 note; issue 22 note (missing 1/N); TESTS.md", (HYBRID2,)),
+    Plant("shard_boundary_off_by_one", "zerofunc/layout.py",
+          "        start = rank * self.shard_numel\n", "        start = rank * self.shard_numel - (rank > 0)\n",
+          "each rank's shard starts one element early: ranks overlap and one element is nobody's",
+          "issue 22 note; TESTS.md", ("tests/test_layout.py",)),
+    Plant("one_unit_reduction_skipped", ENG,
+          '                self._reducing.add(comm.all_reduce(unit.local_grad, tag="grads", async_op=overlapped), nbytes)\n',
+          '                if unit.name != "":\n'
+          '                    self._reducing.add(comm.all_reduce(unit.local_grad, tag="grads", async_op=overlapped), nbytes)\n',
+          "stage 0 never all-reduces the root unit's gradient: the embedding drifts apart on every rank",
+          "issue 22 note; TESTS.md", (EQ2,)),
+    Plant("clipping_before_the_reduction", ENG,
+          "        stage, comm = self.stage, self.comm\n",
+          "        if self.optimizer.clip and grad.device.type != 'meta':  # each local gradient clipped on its own\n"
+          "            grad = grad * min(1.0, self.optimizer.clip / (float(grad.norm()) + 1e-6))\n"
+          "        stage, comm = self.stage, self.comm\n",
+          "each rank clips its local gradient by its own norm before the reduction, not the global one after it",
+          "issue 22 note; TESTS.md", (EQ1,)),
+    Plant("every_micro_step_a_boundary", ENG,
+          "self._boundary = self.micro_step + 1 == self.grad_accum", "self._boundary = True",
+          "with accumulation, stages 0-1 communicate every micro-step: K times the traffic",
+          "issue 2 note", ("tests/test_ledger.py", *FAST)),
+    Plant("stage3_blocks_kept_after_forward", ENG,
+          "            unit.bound = None\n            self.gathering.release(unit, after_forward=True)\n",
+          "            unit.bound = None\n",
+          "stage 3 never frees a block after its forward: the whole model ends up gathered",
+          "issue 2 note", ("tests/test_ledger.py::test_one_step_moves_the_paper_volumes[2]",)),
+    Plant("dropout_from_the_global_rng", "zerofunc/models/gpt2.py",
+          "    keep = torch.stack([\n"
+          "        torch.rand(x.shape[1:], generator=torch.Generator().manual_seed((int(s) * 1_000_003 + site) % 2**63)) >= p\n"
+          "        for s in sample_ids.tolist()])\n",
+          "    keep = torch.rand(x.shape) >= p\n",
+          "dropout masks come from each rank's global RNG: N ranks no longer train like one device",
+          "issue 2 note", ("tests/test_equivalence.py", *FAST)),
+    Plant("fp16_overflow_decided_per_rank", OPT,
+          '            self.comm.all_reduce(stats, tag="grad_norm", mean=False)\n',
+          '            found = stats[1:].clone()\n'
+          '            self.comm.all_reduce(stats, tag="grad_norm", mean=False)\n'
+          '            if scaler is not None:  # each rank judges its own gradients\n'
+          '                stats[0:1] = torch.where(found > 0, stats[0:1], stats[0:1].nan_to_num(0.0, 0.0, 0.0))\n'
+          '                stats[1:] = found\n',
+          "an fp16 overflow on one rank skips the step on that rank only: the ranks' weights diverge",
+          "issue 2 note", ("tests/test_mixed_precision.py::test_overflow_on_any_rank_skips_the_step_everywhere[1]",)),
+    # -- collectives and their stand-ins (issues 13, 22) ---------------------------------------------------
+    Plant("gather_filler_plus_zero", COMM,
+          "            slots[:self.rank].fill_(-0.0)\n            slots[self.rank + 1:].fill_(-0.0)\n",
+          "            slots[:self.rank].zero_()\n            slots[self.rank + 1:].zero_()\n",
+          "an all-gather done as an all-reduce turns a gathered -0.0 into +0.0",
+          "issue 22 note; TESTS.md", ("tests/test_ledger.py::test_a_stand_in_does_what_the_collective_it_stands_for_does",)),
+    Plant("reduced_shard_not_copied_out", COMM,
+          "then = None if out is None else (lambda: out.copy_(mine))", "then = None",
+          "a reduce-scatter done as an all-reduce leaves the caller's shard unreduced",
+          "issue 13 note; TESTS.md", ("tests/test_ledger.py::test_a_stand_in_does_what_the_collective_it_stands_for_does",)),
+    Plant("own_slot_not_filled_before_broadcast", COMM,
+          "        slots[self.rank].copy_(inp.view(-1))\n        if op == \"all_reduce\":",
+          "        if op == \"all_reduce\":\n            slots[self.rank].copy_(inp.view(-1))",
+          "an all-gather done as broadcasts sends each rank's slot before filling it: stale weights everywhere",
+          "TESTS.md", ("tests/test_ledger.py::test_a_stand_in_does_what_the_collective_it_stands_for_does",)),
+    # -- the levers (issue 11) -----------------------------------------------------------------------------
+    Plant("offload_grad_scale_dropped", "zerofunc/offload.py",
+          "            if grad_scale != 1.0:\n                grad.mul_(grad_scale)\n", "",
+          "with optimizer offload the clip coefficient and 1/loss scale are never applied",
+          "issue 11 note", ("tests/test_levers.py", *FAST)),
+    Plant("recomputed_weights_perturbed", ENG,
+          "        self.gathering.regather(unit)\n        unit.bound = bind(self.model, self._unit_views(unit))\n",
+          "        self.gathering.regather(unit)\n"
+          "        unit.bound = bind(self.model, {k: v * 1.001 for k, v in self._unit_views(unit).items()})\n",
+          "activation checkpointing recomputes a block with other weights than its forward used",
+          "issue 11 note", ("tests/test_equivalence.py", *FAST)),
+    Plant("recompute_gathers_twice", ENG,
+          "        self.gathering.regather(unit)\n        unit.bound = bind(self.model, self._unit_views(unit))\n",
+          "        self.gathering.regather(unit)\n        self.gathering.release(unit)\n        self.gathering.regather(unit)\n"
+          "        unit.bound = bind(self.model, self._unit_views(unit))\n",
+          "stage 3 with checkpointing gathers each recomputed block twice: more traffic than planned",
+          "issue 22 note", ("tests/test_levers.py::test_each_lever_is_planned_as_it_trains",)),
+    Plant("lm_head_gradient_not_masked", "zerofunc/lm_head.py",
+          "    return loss, grad.mul_(valid.unsqueeze(1))", "    return loss, grad",
+          "ignored targets (-100, padding) still push gradients into the head",
+          "issue 11 note", ("tests/test_lm_head.py",)),
+    Plant("lm_head_scale_dropped", "zerofunc/lm_head.py",
+          "d = grad.mul_(scale).to(weight.dtype)", "d = grad.to(weight.dtype)",
+          "the head's gradient ignores the loss's scale and the token count", "issue 11 note", ("tests/test_lm_head.py",)),
+    Plant("tied_embedding_rows_not_added", "zerofunc/lm_head.py",
+          "return None, grad_weight.index_put_((idx.flatten(),), grad_embedded.flatten(0, -2), accumulate=True)",
+          "return None, grad_weight",
+          "a tied embedding gets only the head's gradient: the input embedding never learns",
+          "issue 11 note", ("tests/test_lm_head.py",)),
+]

@@ -1,0 +1,45 @@
+"""The plant register: the fused kernels."""
+from __future__ import annotations
+
+from tests.plant_register.common import Plant, FUSED, FAST
+
+PLANTS: list[Plant] = [
+    # -- fused kernels (issues 5, 13, 23) ------------------------------------------------------------------
+    Plant("kernel_no_weight_decay", FUSED, "        p = p * decay  ", "        p = p * 1.0  ",
+          "the Triton AdamW applies no weight decay", "issue 5 note", ("tests/test_kernels.py", *FAST)),
+    Plant("kernel_no_tail_mask", FUSED,
+          "        mask = offs < n\n        p = tl.load(", "        mask = offs >= 0\n        p = tl.load(",
+          "the Triton AdamW writes past the end of a buffer whose size is not a multiple of the block",
+          "issue 5 note", ("tests/test_kernels.py", *FAST)),
+    Plant("kernel_no_bias_correction", FUSED,
+          "-lr / (1 - beta1 ** step), math.sqrt(1 - beta2 ** step), cfg.eps,", "-lr, 1.0, cfg.eps,",
+          "the Triton AdamW has no bias correction: early steps far too small", "issue 5 note",
+          ("tests/test_kernels.py", *FAST)),
+    Plant("kernel_nan_ignored", FUSED,
+          "bad = tl.where(tl.abs(x) <= 3.4028234663852886e38, 0.0, 1.0)",
+          "bad = tl.where(tl.abs(x) > 3.4028234663852886e38, 1.0, 0.0)",
+          "the fp16 unscale kernel misses NaN: a NaN gradient is applied instead of skipping the step",
+          "issue 5 note", ("tests/test_kernels.py", *FAST)),
+    Plant("kernel_squares_before_unscaling", FUSED,
+          "tl.store(partials_ptr + pid, tl.sum(x * x, axis=0))",
+          "tl.store(partials_ptr + pid, tl.sum(x * x, axis=0) / inv_scale)",
+          "the fp16 gradient norm is taken of the scaled gradients: clipping by a norm 2^k too large",
+          "issue 5 note", ("tests/test_kernels.py", *FAST)),
+    Plant("kernel_first_block_flag_only", FUSED,
+          "partials[1].amax().reshape(1)", "partials[1][:1].amax().reshape(1)",
+          "an overflow past the first block of a buffer goes unnoticed", "issue 5 note", ("tests/test_kernels.py", *FAST)),
+    Plant("torch_fused_adamw_grad_scale_not_inverted", FUSED,
+          "torch.full((), 1.0 / grad_scale, device=param.device)", "torch.full((), grad_scale, device=param.device)",
+          "on CPU, clipping and fp16 unscaling multiply the gradient by the inverse of what they should",
+          "issue 13 note", ("tests/test_kernels.py", *FAST)),
+    Plant("kernel_fp_fusion_on", FUSED,
+          "out.dtype == torch.bfloat16,\n        BLOCK=BLOCK, enable_fp_fusion=False)",
+          "out.dtype == torch.bfloat16,\n        BLOCK=BLOCK, enable_fp_fusion=True)",
+          "the compiled AdamW contracts into FMAs: results differ from the reference on a GPU",
+          "issue 23 note", ("tests/test_aot.py",)),
+    Plant("kernel_approximate_sqrt", FUSED, "tl.sqrt_rn(v)", "tl.sqrt(v)",
+          "the compiled AdamW uses an approximate square root", "issue 23 note", ("tests/test_aot.py",)),
+    Plant("shards_not_aligned", "zerofunc/layout.py", "ALIGN = 16\n", "ALIGN = 1\n",
+          "shards are not 16-element aligned: the GPU kernels fall back to scalar loads",
+          "issue 23 note", ("tests/test_aot.py",)),
+]
