@@ -39,8 +39,8 @@ segments' tensors, its node would join their graphs, and the tape refuses it in 
 `overridable` makes a function seen; zerofunc's own Functions go through it.
 
 zerofunc/engine.py does not use the tape yet: its gradients still arrive through UnitBoundary's
-backward. Moving the engine onto it is issue 31's next step (compiled stage-3 blocks are the
-case still open).
+backward. The engine moved onto it (issue 31) is on branch issue31-tape-engine: not yet through
+a clean run of the whole suite, nor shown as fast as this engine side by side.
 """
 from __future__ import annotations
 
@@ -212,10 +212,11 @@ class Tape(TorchFunctionMode):
     def unseen(self, fn, *args, **kwargs):
         """`fn(*args, **kwargs)` as one operation of the current segment, whose inside the tape does not
         watch: a compiled block (dynamo does not trace a Python mode's bookkeeping). Its tensor arguments
-        are taken, and its results tagged, as any operation's."""
-        args = tuple(self._take_arg(a) for a in args)
-        kwargs = {k: self._take_arg(v) for k, v in kwargs.items()}
-        with _pop_mode_temporarily():  # the tagging too: a tensor's properties are operations the mode sees
+        are taken, and its results tagged, as any operation's: with the tape off, as in its handler,
+        since the taking and tagging are torch operations too."""
+        with _pop_mode_temporarily():
+            args = tuple(self._take_arg(a) for a in args)
+            kwargs = {k: self._take_arg(v) for k, v in kwargs.items()}
             out = fn(*args, **kwargs)
             for t in (out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (tuple, list)) else ():
                 if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -224,11 +225,13 @@ class Tape(TorchFunctionMode):
 
     # ---- backward --------------------------------------------------------------------------------------
     def seed(self, output: torch.Tensor, grad: torch.Tensor) -> None:
-        """Backward starts from `output` (the loss) with gradient `grad` (the loss scale)."""
-        made = self._made(output) if output.grad_fn is not None else None
-        if made is None:
+        """Backward starts from `output` (the loss) with gradient `grad` (the loss scale). A loss
+        computed from the weights alone belongs to no segment, and is differentiated in the last."""
+        tag = output.grad_fn.metadata.get(_NODE_TAG) if output.grad_fn is not None else None
+        if output.grad_fn is None or (tag is not None and tag[0] != self._id):
             raise ValueError("the loss was not computed inside this tape's forward")
-        self._hand_on(get_gradient_edge(output), made, grad)
+        made = self._made(output)
+        self._hand_on(get_gradient_edge(output), len(self.segments) - 1 if made is None else made, grad)
 
     def _hand_on(self, edge: GradientEdge, made: int, g: torch.Tensor) -> None:
         key = (id(edge.node), edge.output_nr)
