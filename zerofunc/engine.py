@@ -1,10 +1,12 @@
 """The ZeRO engine: one training step, shared by every stage and by the simulator.
 
 The model is run statelessly with `torch.func.functional_call`, its parameters
-replaced by views into each unit's flat buffer. Each unit's buffer enters the graph
-through `UnitBoundary` (zerofunc/binding.py), an autograd function whose backward receives the unit's whole
-gradient at once, the moment backward has finished with the unit. There the stage
-decides what to do with it (all-reduce, reduce-scatter, or keep it for later).
+replaced by views into each unit's flat buffer (`unit.weights`, an autograd leaf). The
+forward is recorded on a tape (zerofunc/tape.py) cut where each block starts, and
+backward is a loop over its segments, last first: each gives its block's whole gradient
+as a value, the moment backward is done with the block, and the stage decides what to
+do with it (all-reduce, reduce-scatter, or keep it for later); the root unit's gradient
+(embeddings, final norm, a tied head) is complete after the first segment.
 
 Stage 3 additionally frees each gathered buffer after the unit's forward and gathers
 it again on demand in backward (zerofunc/gather.py). Gradients come from torch
@@ -25,13 +27,14 @@ The same code runs on meta tensors with a `RecordingCommunicator` to simulate a 
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Optional
 
 import torch
 import torch.nn as nn
 from torch.func import functional_call
 
-from zerofunc.binding import UnitBoundary, bind
+from zerofunc.binding import bind
 from zerofunc.comm import Communicator
 from zerofunc.engine_state import WholeState
 from zerofunc.gather import UnitGathering
@@ -44,6 +47,7 @@ from zerofunc.overlap import InFlight, Overlap
 from zerofunc.recompute import ActivationCheckpointing, checkpointed
 from zerofunc.sharded_optim import ShardedAdamW
 from zerofunc.stages import Stage
+from zerofunc.tape import Tape
 from sim.memory import NoMemoryTracking
 from zerofunc.units import PRECISIONS, InitFn, Unit, check_reduce_dtype, materialize, partition
 
@@ -90,7 +94,6 @@ class ZeroEngine(WholeState):
             raise ValueError("optimizer offload needs ZeRO stage 1, 2 or 3 (stage 0 keeps no optimizer shard)")
         self.grad_accum = grad_accum
         self.micro_step = 0          # backward passes since the last optimizer step
-        self._in_backward = False    # inside engine.backward(): the only place unit gradients may arrive
         self.model, self.stage, self.comm, self.optim, self.overlap = model, stage, comm, optim, overlap
         if replicas is not None and not stage.shard_optimizer:
             raise ValueError("hybrid sharding shards within a group: it needs ZeRO stage 1, 2 or 3")
@@ -111,19 +114,22 @@ class ZeroEngine(WholeState):
         self.numel = sum(u.numel for u in self.units)
         self.optimizer = ShardedAdamW(self.units, stage, comm, optim, self.memory, clip, loss_scaler,
                                       overlap.bucket_bytes, self.offload)
-        self._anchor = torch.empty(0, device=self.device, requires_grad=True)
+        self._tape: Optional[Tape] = None  # the last forward's, until its backward
+        self._unit_named = {u.name: u for u in self.units}
+        for unit in self.units:  # the gradient comes as a value from engine.backward, never into .grad
+            unit.weights.register_post_accumulate_grad_hook(_outside_the_engine)
         self._root = next((u for u in self.units if u.name == ""), None)  # parameters outside any block
         self.gathering = UnitGathering(self.units, stage, comm, overlap, self.memory, secondary)
         if checkpointing.on and not self.gathering.blocks:
             raise ValueError("activation checkpointing recomputes blocks, and this model has none: give unit_names")
+        # a compiled backward saves its weights past the pack hook: stage 3 gathers such a block again
+        # before its segment is differentiated
+        self._regather_before_backward = compile and stage.shard_params
         for i, unit in enumerate(self.gathering.blocks):
             unit.module.register_forward_pre_hook(self._gather_and_bind(unit))
             unit.module.register_forward_hook(self._unbind_and_release(unit))
             if compile:  # the block's compute only: its hooks gather, bind and release outside the graph
-                unit.module.forward = torch.compile(unit.module.forward)
-                if stage.shard_params:  # a compiled backward saves its weights past the pack hook
-                    unit.module.register_full_backward_pre_hook(
-                        lambda module, grad_out, u=unit: self.gathering.regather(u))
+                unit.module.forward = self._unseen_by_the_tape(torch.compile(unit.module.forward))
             if checkpointing.recomputes(i):
                 unit.module.forward = checkpointed(unit.module.forward, lambda u=unit: u.bound is not None,
                                                    lambda u=unit: self._recomputing(u))
@@ -134,24 +140,25 @@ class ZeroEngine(WholeState):
     def __call__(self, *args, **kwargs):
         """Run the model's forward on this rank's batch, with the units' weights.
 
-        Weights enter as views of each unit's buffer, passed through `UnitBoundary`.
-        A block's views are bound by its forward pre-hook, just before it runs (under
-        stage 3, just after it is gathered). That also orders backward: autograd runs
-        the newest ready node first, so a boundary made just before its block fires as
-        soon as that block's backward is done, not after the whole backward. The root
-        unit is bound (and under stage 3 gathered) for the whole call.
+        Weights enter as views of each unit's leaf (`unit.weights`). A block's views are
+        bound by its forward pre-hook, just before it runs (under stage 3, just after it
+        is gathered), which also starts the block's segment of the tape: the hooks are the
+        adapter through which the model's own forward, not the engine, says where blocks
+        start. The root unit is bound (and under stage 3 gathered) for the whole call.
         """
         self.memory.mark("forward")
         views: dict[str, torch.Tensor] = {}
         if self._root is not None:
             self.gathering.gather(self._root, "params.fwd")
             views = self._unit_views(self._root)
+        self._tape = Tape() if torch.is_grad_enabled() else None  # an evaluation has no backward to cut
         try:
-            with self.memory.category("activations"):
-                if not self.stage.shard_params:
-                    return functional_call(self.model, views, args, kwargs)
-                with self.gathering.saved_tensors_hooks():
-                    out = functional_call(self.model, views, args, kwargs)
+            with self.memory.category("activations"), contextlib.ExitStack() as stack:
+                if self.stage.shard_params:
+                    stack.enter_context(self.gathering.saved_tensors_hooks())
+                if self._tape is not None:
+                    stack.enter_context(self._tape)
+                out = functional_call(self.model, views, args, kwargs)
         except BaseException:
             self._abandon_forward()
             raise
@@ -169,11 +176,20 @@ class ZeroEngine(WholeState):
         for unit in self.units:
             self.gathering.release(unit)
 
+    def _unseen_by_the_tape(self, forward):
+        """A compiled block runs as one operation of the tape's (dynamo does not trace the tape's mode)."""
+        @functools.wraps(forward)
+        def run(*args, **kwargs):
+            return self._tape.unseen(forward, *args, **kwargs) if self._tape is not None else forward(*args, **kwargs)
+        return run
+
     def _unit_views(self, unit: Unit) -> dict[str, torch.Tensor]:
-        return unit.layout.views(UnitBoundary.apply(self._anchor, self, unit))
+        return unit.layout.views(unit.weights)
 
     def _gather_and_bind(self, unit: Unit):
         def hook(module, args):
+            if self._tape is not None:
+                self._tape.open(unit.name)
             self.gathering.gather(unit, "params.fwd")
             self.gathering.prefetch(unit, +1, "params.fwd")
             unit.bound = bind(self.model, self._unit_views(unit))
@@ -205,17 +221,33 @@ class ZeroEngine(WholeState):
     # ---- backward ----------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-step: the loss is divided by the accumulation count
-        (and multiplied by the fp16 loss scale), so gradients sum to the big batch's."""
+        (and multiplied by the fp16 loss scale), so gradients sum to the big batch's.
+
+        The forward's tape is differentiated segment by segment, last first; each block's
+        gradient is handed to `unit_gradient` as soon as its segment is done, the root's
+        (used in the first and, for a head, the last segments) after the first."""
+        tape, self._tape = self._tape, None
+        if tape is None:
+            raise RuntimeError("engine.backward(loss) with no forward through the engine since the last backward")
         self.memory.mark("backward")
         self._boundary = self.micro_step + 1 == self.grad_accum
         scaler = self.optimizer.loss_scaler
         scale = (scaler.scale if scaler else 1.0) / self.grad_accum
-        self._in_backward = True
-        try:
-            with self.memory.category("activations"):
-                (loss * scale if scale != 1.0 else loss).backward()
-        finally:
-            self._in_backward = False
+        tape.seed(loss, torch.full_like(loss, scale))
+        root = self._root
+        root_grad = None
+        with self.memory.category("activations"):
+            for segment in reversed(tape.segments):
+                unit = self._unit_named[segment.unit] if segment.unit is not None else None
+                if unit is not None and self._regather_before_backward:
+                    self.gathering.regather(unit)
+                grads = tape.grad(segment, [u.weights for u in (unit, root) if u is not None])
+                if unit is not None and grads[0] is not None:
+                    self.unit_gradient(unit, grads[0])
+                if root is not None and grads[-1] is not None:
+                    root_grad = grads[-1] if root_grad is None else root_grad.add_(grads[-1])
+            if root_grad is not None:
+                self.unit_gradient(root, root_grad)
         self._reducing.drain()
         self.gathering.release_blocks()
         self.micro_step += 1
@@ -228,8 +260,6 @@ class ZeroEngine(WholeState):
         Each reduction is launched here and finished (its result put in place) when the
         in-flight queue waits for it: later, while autograd works on earlier blocks.
         """
-        if not self._in_backward:  # loss.backward(): the gradient would be kept but never reduced or stepped
-            raise RuntimeError("backward ran outside the engine: call engine.backward(loss), not loss.backward()")
         stage, comm = self.stage, self.comm
         if grad.dtype != self.reduce_dtype:  # accumulated and reduced in the configured dtype from here on
             grad = grad.to(self.reduce_dtype)
@@ -298,3 +328,9 @@ class ZeroEngine(WholeState):
         self.micro_step = 0
         self.memory.mark("step")
         return self.optimizer.step(lr)
+
+
+def _outside_the_engine(weights: torch.Tensor) -> None:
+    """loss.backward() reached a unit's weights: the gradient would be kept but never reduced or stepped."""
+    weights.grad = None
+    raise RuntimeError("backward ran outside the engine: call engine.backward(loss), not loss.backward()")

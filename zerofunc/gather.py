@@ -52,7 +52,10 @@ class UnitGathering:
         self.secondary = secondary if stage.shard_params else None  # hpZ's group: a node inside the shard group
         self.blocks = [u for u in units if u.name != ""]
         self._block_index = {id(u): i for i, u in enumerate(self.blocks)}
-        self._by_buffer = {id(u.full): u for u in units}
+        self._by_buffer = {id(u.weights): u for u in units}  # a weight's view: its base is the unit's leaf
+        # a tape's leaf aliasing a weight (zerofunc/tape.py) has no base: found by its storage, which a
+        # release keeps, only freeing its bytes
+        self._by_storage = {u.full.untyped_storage()._cdata: u for u in units if u.full is not u.params}
 
     def gather(self, unit: Unit, tag: str, prefetch: bool = False) -> None:
         """Make the unit's whole weights available; a prefetch only starts the gather, a use waits for it."""
@@ -117,7 +120,12 @@ class UnitGathering:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, t: torch.Tensor):
-        unit = self._by_buffer.get(id(t._base)) if t._base is not None else None
+        if t._base is not None:
+            unit = self._by_buffer.get(id(t._base))
+        elif t.grad_fn is None and t.requires_grad:  # only leaves: most saved tensors are neither
+            unit = self._by_storage.get(t.untyped_storage()._cdata)
+        else:
+            unit = None
         return t if unit is None else _SavedUnitWeight(unit, t)
 
     def _unpack(self, saved):

@@ -63,6 +63,11 @@ class Unit:
     gathering: Optional[Handle] = None  # stage 3: the prefetch that fills it, until waited on
     bound: Optional[dict] = None  # stage 3: the model's own parameters, while the unit's views stand in
     secondary: Optional[torch.Tensor] = None  # hpZ: this rank's 1/k of the weights, kept from forward to backward
+    weights: Optional[torch.Tensor] = None  # `full` as the autograd leaf the forward's views are taken of
+
+    def __post_init__(self) -> None:
+        if self.weights is None:  # shares `full`'s storage (and its release), not its autograd history
+            self.weights = self.full.detach().requires_grad_()
 
     @property
     def numel(self) -> int:
