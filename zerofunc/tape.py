@@ -51,6 +51,14 @@ from torch.overrides import TorchFunctionMode, _pop_mode_temporarily, handle_tor
 from torch.utils._pytree import tree_map_only
 
 
+# Tensor properties and methods that only read metadata (pack hooks, shape logic call them on every
+# tensor): the tape passes them straight through
+_METADATA = frozenset(
+    [getattr(torch.Tensor, p).__get__ for p in ("grad_fn", "requires_grad", "_base", "is_leaf", "shape", "dtype",
+                                                "device", "ndim", "layout", "is_cuda", "is_meta", "data")]
+    + [getattr(torch.Tensor, m) for m in ("size", "dim", "stride", "numel", "data_ptr", "untyped_storage",
+                                          "element_size", "is_contiguous", "storage_offset", "is_floating_point",
+                                          "__len__")])
 _NODE_TAG = "zerofunc_segment"  # in an autograd node's metadata: the (tape, segment) that made it
 
 
@@ -176,6 +184,8 @@ class Tape(TorchFunctionMode):
             t.grad_fn.metadata[_NODE_TAG] = (self._id, len(self.segments) - 1)
 
     def __torch_function__(self, func, types, args: Sequence[Any] = (), kwargs=None):
+        if func in _METADATA:  # reads what a tensor is, computes nothing: no leaf, no tag
+            return func(*args, **(kwargs or {}))
         # Every torch operation of the forward passes here: arguments are walked by hand one level deep
         # (a tensor, or a list of them, as torch.cat takes), the pytree only for deeper nesting.
         args = tuple(self._take_arg(a) for a in args)
