@@ -62,6 +62,17 @@ def test_gpt2_tiny_at_1_8_64_ranks_is_planned_to_the_byte_and_within_2_percent(t
     assert stage3[64] < stage3[8] < stage3[1]
 
 
+def test_compiled_stage_3_is_planned_to_the_byte_and_within_2_percent():
+    """The compiled step regathers a stage-3 block before its compiled backward runs; the plan (the step
+    on meta tensors, eager) gathers it as its backward first unpacks it. Both must come after the head's
+    backward, which regathers the root: the same collectives in the same order, the same peak."""
+    code, out, err = run_check("--model", "gpt2-tiny", "--stage", "3", "--world-sizes", "1,3", "--compile", "--json")
+    assert code == 0, err
+    cells = json.loads(out)["cells"]
+    assert [(c["stage"], c["world_size"]) for c in cells] == [(3, 1), (3, 3)]
+    assert_plan_holds(cells, 0.02)
+
+
 @pytest.mark.slow
 def test_hybrid_worlds_of_8_and_64_with_groups_of_8_are_planned_to_the_byte_and_within_2_percent():
     """--shard-group 8: at 8 ranks the group is the world (no replicas); at 64, 8 replicas of 8, whose

@@ -2,8 +2,8 @@
 
 The model is run statelessly with `torch.func.functional_call`, its parameters
 replaced by views into each unit's flat buffer (`unit.weights`, an autograd leaf). The
-forward is recorded on a tape (zerofunc/tape.py) cut where each block starts, and
-backward is a loop over its segments, last first: each gives its block's whole gradient
+forward is recorded on a tape (zerofunc/tape.py) cut where each block starts and ends,
+and backward is a loop over its segments, last first: each gives its block's whole gradient
 as a value, the moment backward is done with the block, and the stage decides what to
 do with it (all-reduce, reduce-scatter, or keep it for later); the root unit's gradient
 (embeddings, final norm, a tied head) is complete after the first segment.
@@ -151,7 +151,7 @@ class ZeroEngine(WholeState):
         if self._root is not None:
             self.gathering.gather(self._root, "params.fwd")
             views = self._unit_views(self._root)
-        self._tape = Tape() if torch.is_grad_enabled() else None  # an evaluation has no backward to cut
+        self._tape = Tape(_outside_the_engine) if torch.is_grad_enabled() else None  # an evaluation has no backward to cut
         try:
             with self.memory.category("activations"), contextlib.ExitStack() as stack:
                 if self.stage.shard_params:
@@ -197,6 +197,8 @@ class ZeroEngine(WholeState):
 
     def _unbind_and_release(self, unit: Unit):
         def hook(module, args, out):
+            if self._tape is not None:
+                self._tape.open(None)  # what follows the block (the next block's input, a head) is its own segment
             bind(self.model, unit.bound)
             unit.bound = None
             self.gathering.release(unit, after_forward=True)
@@ -330,7 +332,8 @@ class ZeroEngine(WholeState):
         return self.optimizer.step(lr)
 
 
-def _outside_the_engine(weights: torch.Tensor) -> None:
-    """loss.backward() reached a unit's weights: the gradient would be kept but never reduced or stepped."""
-    weights.grad = None
+def _outside_the_engine(leaf: torch.Tensor) -> None:
+    """loss.backward() reached a unit's weights, or a leaf of the tape's (the last segment's, which is all
+    a plain backward reaches): the gradient would be kept but never reduced or stepped."""
+    leaf.grad = None
     raise RuntimeError("backward ran outside the engine: call engine.backward(loss), not loss.backward()")

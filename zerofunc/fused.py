@@ -278,5 +278,8 @@ def _define_kernels() -> None:
         tl.store(partials_ptr + blocks + pid, tl.max(bad, axis=0))
 
 
-if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
-    _load()  # the kernels will run here: define them now, as Triton decides interpreted-or-not at decoration
+# Interpreted kernels are defined at import, as Triton decides interpreted-or-not at decoration. On CUDA
+# `use_triton` defines them on first need: asking torch.cuda.is_available() here would initialize CUDA's
+# driver in every importer, a rank's fork server included, and a rank forked from it could not use CUDA.
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _load()

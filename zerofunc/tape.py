@@ -3,13 +3,13 @@
 A ZeRO step wants each unit's gradient the moment backward is done with the unit, as a value it
 can reduce, and it wants to know, between two units, that now is the time to gather the next
 one. One autograd graph over the whole forward gives neither: `loss.backward()` runs every node
-in an order autograd picks. So the forward is cut into segments, one per block and the code
-after it up to the next block (the first segment: the code before the first block, e.g. the
-embeddings), and backward differentiates one segment at a time, the last first:
+in an order autograd picks. So the forward is cut into segments, one per block and one per stretch
+of code between blocks (the first segment: the code before the first block, e.g. the embeddings;
+the last: what follows the last block, e.g. a head), and backward differentiates one segment at a time, the last first:
 
     tape = Tape()
     with tape:                                   # the model's own forward, any nn.Module
-        ... tape.open(unit) on entering each block ...
+        ... tape.open(unit) on entering each block, tape.open(None) on leaving it ...
     tape.seed(loss, grad)
     for segment in reversed(tape.segments):
         grads = tape.grad(segment, weights)      # this segment's weights' gradients, as values
@@ -43,7 +43,7 @@ from __future__ import annotations
 import functools
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
@@ -87,7 +87,7 @@ class Import(NamedTuple):
 @dataclass(eq=False)
 class Segment:
     """One segment of a forward: `index` in the tape, the `unit` (a name) whose block opened it (None
-    for the first), and what it took from older segments."""
+    for code between blocks), and what it took from older segments."""
 
     index: int
     unit: Optional[str]
@@ -100,16 +100,20 @@ class Tape(TorchFunctionMode):
 
     _ids = itertools.count()
 
-    def __init__(self) -> None:
+    def __init__(self, on_plain_backward: Optional[Callable[[torch.Tensor], None]] = None) -> None:
+        """`on_plain_backward(leaf)`: called should a plain `.backward()` reach a leaf of the tape's (it is
+        differentiated with `grad`, a segment at a time); it may raise."""
         super().__init__()
+        self._on_plain_backward = on_plain_backward
         self._id = next(Tape._ids)  # what tensors are tagged with: not the tape, which they would keep alive
         self.segments: list[Segment] = [Segment(0, None)]
         self._leaf_import: dict[int, Import] = {}  # id(leaf) -> its import, for a leaf an even later segment takes
         self._pending: dict[tuple[int, int], tuple[GradientEdge, int, torch.Tensor]] = {}  # edge -> (edge, made, grad)
 
     # ---- forward ---------------------------------------------------------------------------------------
-    def open(self, unit: str) -> Segment:
-        """A block starts: the operations from here to the next `open` form a new segment."""
+    def open(self, unit: Optional[str]) -> Segment:
+        """A block starts (`unit`, its name) or ends (None): the operations from here to the next `open`
+        form a new segment."""
         self.current._taken.clear()  # its tensors may go: a later segment takes them anew
         self.segments.append(Segment(len(self.segments), unit))
         return self.segments[-1]
@@ -132,6 +136,8 @@ class Tape(TorchFunctionMode):
             return taken[1]
         leaf = t.detach().requires_grad_()
         leaf._zerofunc_segment = (self._id, seg.index)
+        if self._on_plain_backward is not None:
+            leaf.register_post_accumulate_grad_hook(self._on_plain_backward)
         older = self._leaf_import.get(id(t))  # an older segment's leaf: its gradient goes where that one's goes
         imported = Import(leaf, *(older[1:] if older is not None else (get_gradient_edge(t), made)))
         seg.imports.append(imported)

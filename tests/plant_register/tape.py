@@ -13,4 +13,21 @@ PLANTS: list[Plant] = [
           "        segments = self._segments_behind(node, {})\n", "        segments = set()\n",
           "a custom autograd Function's output is taken as the current segment's: its graph joins an earlier one's",
           "issue 31", ("tests/test_tape.py",)),
+    Plant("compiled_block_regathered_before_the_head", "zerofunc/engine.py",
+          "            if self._tape is not None:\n                self._tape.open(None)  #",
+          "            if False:\n                self._tape.open(None)  #",
+          "the head's backward shares the last block's segment: a compiled stage-3 block is regathered before the "
+          "head's root, so the collectives run in another order than planned (seen on the H100)",
+          "issue 31, CUDA run 2", ("tests/test_check.py::test_compiled_stage_3_is_planned_to_the_byte_and_within_2_percent",)),
+    Plant("fork_server_asks_cuda", "zerofunc/fused.py",
+          'if os.environ.get("TRITON_INTERPRET") == "1":\n    _load()',
+          'if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":\n    _load()',
+          "importing the engine asks CUDA whether it is there: every rank forked from the launcher's fork server "
+          "fails with 'Cannot re-initialize CUDA in forked subprocess' (seen on the H100)",
+          "issue 31, CUDA run 2",
+          ("tests/test_faults.py::test_the_ranks_fork_server_imports_without_asking_cuda_anything",)),
+    Plant("tape_lets_a_plain_backward_through", "zerofunc/engine.py",
+          "Tape(_outside_the_engine)", "Tape()",
+          "loss.backward() reaches only the last segment's leaves (a head without weights): it trains nothing, silently",
+          "issue 31", ("tests/test_engine_misuse.py::test_misuse_fails_loudly_and_a_failed_forward_leaves_no_trace",)),
 ]
