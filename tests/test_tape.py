@@ -23,17 +23,27 @@ def one_graph(model, weights, args, kwargs) -> dict[str, torch.Tensor]:
     return {n: w.grad for n, w in weights.items()}
 
 
-def segmented(model, weights, args, kwargs, blocks: list[str]) -> tuple[dict, list]:
-    """The tape's gradients, and the segments (in forward order) that gave each weight one."""
+def segmented(model, weights, args, kwargs, blocks: list[str], as_the_engine: bool) -> tuple[dict, list]:
+    """The tape's gradients, and the segments (in forward order) that gave each weight one.
+
+    `as_the_engine`: as zerofunc/engine.py cuts a forward: a block's end opens a segment too, and each
+    block runs through `tape.unseen` (its inside not watched); else the tape watches every operation
+    and cuts only where blocks start."""
     tape = Tape()
-    opened = [model.get_submodule(b).register_forward_pre_hook(lambda m, a, b=b: tape.open(b) and None)
-              for b in blocks]
+    modules = [model.get_submodule(b) for b in blocks]
+    hooks = [m.register_forward_pre_hook(lambda m, a, b=b: tape.open(b) and None) for m, b in zip(modules, blocks)]
+    if as_the_engine:
+        hooks += [m.register_forward_hook(lambda m, a, o: tape.open(None) and None) for m in modules]
+        for m in modules:
+            m.forward = lambda *args, f=m.forward, **kwargs: tape.unseen(f, args, kwargs)
     try:
         with tape:
             loss = loss_from(functional_call(model, weights, args, kwargs))
     finally:
-        for h in opened:
+        for h in hooks:
             h.remove()
+        for m in modules:
+            m.__dict__.pop("forward", None)
     tape.seed(loss, torch.ones_like(loss))
     names, grads, used = list(weights), {}, {n: [] for n in weights}
     for segment in reversed(tape.segments):
@@ -48,30 +58,35 @@ def loss_from(out):
     return out if isinstance(out, torch.Tensor) else out.loss
 
 
-def assert_bitwise(model, args, kwargs, blocks) -> dict:
+def assert_bitwise(model, args, kwargs, blocks, as_the_engine: bool) -> dict:
     expected = one_graph(model, weights_of(model), args, kwargs)
-    got, used = segmented(model, weights_of(model), args, kwargs, blocks)
+    got, used = segmented(model, weights_of(model), args, kwargs, blocks, as_the_engine)
     assert got.keys() == {n for n, g in expected.items() if g is not None}
     for n, g in got.items():
         assert torch.equal(g, expected[n]), f"{n}: {(g - expected[n]).abs().max():.3g} from loss.backward()'s"
     return used
 
 
+AS_THE_ENGINE = pytest.mark.parametrize("as_the_engine", [False, True], ids=["watched", "as-the-engine"])
+
+
+@AS_THE_ENGINE
 @pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
-def test_zerofunc_models(name):
+def test_zerofunc_models(name, as_the_engine):
     torch.manual_seed(0)
     cfg = model_config(name)
     model = build_model(cfg)
     ids = torch.randint(0, cfg.vocab_size, (2, 13))
-    used = assert_bitwise(model, (ids, ids.roll(-1, 1)), {}, model.shard_units())
+    used = assert_bitwise(model, (ids, ids.roll(-1, 1)), {}, model.shard_units(), as_the_engine)
     block0 = model.shard_units()[0]
     assert {u for n, segs in used.items() if n.startswith(block0 + ".") for u in segs} == {block0}
     if name.startswith("gpt2"):  # the tied head hands its gradient back to the embedding, in the first segment
         assert used["wte.weight"] == [None]
 
 
+@AS_THE_ENGINE
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_hugging_face_models(family):
+def test_hugging_face_models(family, as_the_engine):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     if family == "gpt2":
@@ -85,7 +100,7 @@ def test_hugging_face_models(family):
         blocks = [f"model.layers.{i}" for i in range(3)]
     model.eval()  # dropout off: the two runs would draw different masks
     ids = torch.randint(0, 53, (2, 11))
-    assert_bitwise(model, (), {"input_ids": ids, "labels": ids}, blocks)
+    assert_bitwise(model, (), {"input_ids": ids, "labels": ids}, blocks, as_the_engine)
 
 
 class Glue(nn.Module):
@@ -110,12 +125,86 @@ class Glue(nn.Module):
         return (self.out(stream * h) ** 2).mean()
 
 
-def test_glue_that_keeps_tensors_across_blocks():
+@AS_THE_ENGINE
+def test_glue_that_keeps_tensors_across_blocks(as_the_engine):
     torch.manual_seed(0)
     model = Glue()
-    used = assert_bitwise(model, (torch.randn(4, 5),), {}, [f"blocks.{i}" for i in range(3)])
+    used = assert_bitwise(model, (torch.randn(4, 5),), {}, [f"blocks.{i}" for i in range(3)], as_the_engine)
     assert used["bias"] == [None]  # `shift`'s gradient handed back to the first segment from every later one
-    assert used["mix.weight"] == ["blocks.2", "blocks.1", "blocks.0"]
+    # the glue between blocks: in the segment a block opened, or (as the engine cuts) in one of its own
+    assert used["mix.weight"] == ([None] * 3 if as_the_engine else ["blocks.2", "blocks.1", "blocks.0"])
+    assert used["blocks.1.0.weight"] == ["blocks.1"]
+
+
+class Shifted(nn.Module):
+    """A block that reads `shift`, set on it by the model, as a module attribute."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(7, 7)
+
+    def forward(self, h):
+        return torch.tanh(self.linear(h + self.shift))
+
+
+class ReadsAnAttribute(Glue):
+    """Blocks that read a tensor of an earlier segment through a module attribute, not an argument."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Shifted() for _ in range(3))
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            block.shift = self.bias * 2
+            h = block(h)
+        return self.out(h).sum()
+
+
+class Kept(nn.Module):
+    """A block that keeps a tensor made from its input as an attribute, besides returning its output."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(7, 7)
+
+    def forward(self, h):
+        self.kept = h * 3
+        return torch.tanh(self.linear(h))
+
+
+class ReadsWhatABlockKept(Glue):
+    """Glue that reads, after a block, what the block kept (a cache, an attention map stored for later)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Kept() for _ in range(3))
+
+    def forward(self, x):
+        h, extra = self.inp(x), 0
+        for block in self.blocks:
+            h = block(h)
+            extra = extra + block.kept.sum()
+        return self.out(h).sum() + extra
+
+
+@AS_THE_ENGINE
+def test_what_a_block_keeps_belongs_to_the_block(as_the_engine):
+    """Unwatched, a block's kept tensor is tagged by no one: the tape finds its segment by walking back to
+    the block's input, a leaf of the block's segment."""
+    torch.manual_seed(0)
+    assert_bitwise(ReadsWhatABlockKept(), (torch.randn(4, 5),), {}, [f"blocks.{i}" for i in range(3)], as_the_engine)
+
+
+def test_a_block_reading_an_earlier_tensor_past_its_arguments_is_refused():
+    """Unwatched, a block's inside could join its graph to an earlier segment's; the tape refuses the read."""
+    torch.manual_seed(0)
+    model = ReadsAnAttribute()
+    blocks = [f"blocks.{i}" for i in range(3)]
+    segmented(model, weights_of(model), (torch.randn(4, 5),), {}, blocks, as_the_engine=False)  # watched: fine
+    with pytest.raises(ValueError, match="read a tensor made before it other than through its arguments"):
+        segmented(model, weights_of(model), (torch.randn(4, 5),), {}, blocks, as_the_engine=True)
 
 
 class Doubled(torch.autograd.Function):
@@ -147,16 +236,17 @@ class Unseen(Glue):
         return self.out(h).sum()
 
 
-def test_calls_the_tape_does_not_see_are_placed_by_their_inputs():
+@AS_THE_ENGINE
+def test_calls_the_tape_does_not_see_are_placed_by_their_inputs(as_the_engine):
     torch.manual_seed(0)
-    assert_bitwise(Unseen(join=False), (torch.randn(4, 5),), {}, [f"blocks.{i}" for i in range(3)])
+    assert_bitwise(Unseen(join=False), (torch.randn(4, 5),), {}, [f"blocks.{i}" for i in range(3)], as_the_engine)
 
 
 def test_an_unseen_call_joining_two_segments_is_refused():
     torch.manual_seed(0)
     model = Unseen(join=True)
     with pytest.raises(ValueError, match="DoubledBackward .*different blocks: call it through zerofunc.tape.overridable"):
-        segmented(model, weights_of(model), (torch.randn(4, 5),), {}, [f"blocks.{i}" for i in range(3)])
+        segmented(model, weights_of(model), (torch.randn(4, 5),), {}, [f"blocks.{i}" for i in range(3)], False)
 
 
 def test_the_loss_must_come_from_the_tape():

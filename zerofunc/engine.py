@@ -129,7 +129,8 @@ class ZeroEngine(WholeState):
             unit.module.register_forward_pre_hook(self._gather_and_bind(unit))
             unit.module.register_forward_hook(self._unbind_and_release(unit))
             if compile:  # the block's compute only: its hooks gather, bind and release outside the graph
-                unit.module.forward = self._unseen_by_the_tape(torch.compile(unit.module.forward))
+                unit.module.forward = torch.compile(unit.module.forward)
+            unit.module.forward = self._unseen_by_the_tape(unit.module.forward)
             if checkpointing.recomputes(i):
                 unit.module.forward = checkpointed(unit.module.forward, lambda u=unit: u.bound is not None,
                                                    lambda u=unit: self._recomputing(u))
@@ -177,10 +178,21 @@ class ZeroEngine(WholeState):
             self.gathering.release(unit)
 
     def _unseen_by_the_tape(self, forward):
-        """A compiled block runs as one operation of the tape's (dynamo does not trace the tape's mode)."""
+        """A block runs as one operation of the tape's: its arguments are taken, its results tagged, and
+        its inside is not watched. Watching costs the tape's Python on every torch call, which on a GPU
+        step too small to hide it doubled the step (docs/CUDA.md); and dynamo does not trace a mode.
+        Whether the block reads earlier tensors only through its arguments is checked on its first
+        forward: what a model's code reads does not change from step to step."""
+        checked = False
+
         @functools.wraps(forward)
         def run(*args, **kwargs):
-            return self._tape.unseen(forward, *args, **kwargs) if self._tape is not None else forward(*args, **kwargs)
+            nonlocal checked
+            if self._tape is None:
+                return forward(*args, **kwargs)
+            out = self._tape.unseen(forward, args, kwargs, check_reads=not checked)
+            checked = True
+            return out
         return run
 
     def _unit_views(self, unit: Unit) -> dict[str, torch.Tensor]:
@@ -190,19 +202,25 @@ class ZeroEngine(WholeState):
         def hook(module, args):
             if self._tape is not None:
                 self._tape.open(unit.name)
-            self.gathering.gather(unit, "params.fwd")
-            self.gathering.prefetch(unit, +1, "params.fwd")
-            unit.bound = bind(self.model, self._unit_views(unit))
+            with self._engine_work():
+                self.gathering.gather(unit, "params.fwd")
+                self.gathering.prefetch(unit, +1, "params.fwd")
+                unit.bound = bind(self.model, self._unit_views(unit))
         return hook
 
     def _unbind_and_release(self, unit: Unit):
         def hook(module, args, out):
             if self._tape is not None:
                 self._tape.open(None)  # what follows the block (the next block's input, a head) is its own segment
-            bind(self.model, unit.bound)
-            unit.bound = None
-            self.gathering.release(unit, after_forward=True)
+            with self._engine_work():
+                bind(self.model, unit.bound)
+                unit.bound = None
+                self.gathering.release(unit, after_forward=True)
         return hook
+
+    def _engine_work(self):
+        """The hooks' gathers and bindings are the engine's, not the model's: the tape does not watch them."""
+        return self._tape.paused() if self._tape is not None else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def _recomputing(self, unit: Unit):

@@ -40,6 +40,7 @@ segments' tensors, its node would join their graphs, and the tape refuses it in 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 from dataclasses import dataclass, field
@@ -47,8 +48,9 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
-from torch.overrides import TorchFunctionMode, _pop_mode_temporarily, handle_torch_function, has_torch_function
-from torch.utils._pytree import tree_map_only
+from torch.overrides import (TorchFunctionMode, _get_current_function_mode, _pop_mode_temporarily, handle_torch_function,
+                             has_torch_function)
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 
 # Tensor properties and methods that only read metadata (pack hooks, shape logic call them on every
@@ -174,10 +176,12 @@ class Tape(TorchFunctionMode):
 
     def _segments_behind(self, node, seen: dict) -> set[int]:
         tag = node.metadata.get(_NODE_TAG)
+        if tag is None and not node.next_functions:  # a leaf's AccumulateGrad: a segment's leaf, or a weight
+            tag = getattr(getattr(node, "variable", None), "_zerofunc_segment", None)
         if tag is not None:
             return {tag[1]} if tag[0] == self._id and tag[1] is not None else set()
         if id(node) not in seen:
-            seen[id(node)] = set()  # a leaf's AccumulateGrad has no next functions: nothing behind it
+            seen[id(node)] = set()
             for nxt, _ in node.next_functions:
                 if nxt is not None:
                     seen[id(node)] |= self._segments_behind(nxt, seen)
@@ -214,6 +218,8 @@ class Tape(TorchFunctionMode):
         if isinstance(a, torch.Tensor):
             return self._take(a) if a.requires_grad else a
         if isinstance(a, (tuple, list)) and a:
+            if not any(isinstance(x, (torch.Tensor, tuple, list, dict)) for x in a):
+                return a  # a shape, a dim list: most sequences an operation takes hold no tensor
             if all(isinstance(x, torch.Tensor) for x in a):
                 return type(a)(self._take(x) if x.requires_grad else x for x in a)
             return tree_map_only(torch.Tensor, self._take, a)
@@ -221,17 +227,36 @@ class Tape(TorchFunctionMode):
             return tree_map_only(torch.Tensor, self._take, a)
         return a
 
-    def unseen(self, fn, *args, **kwargs):
+    @contextlib.contextmanager
+    def paused(self):
+        """Work inside the forward that is not the model's (the engine gathering a block, binding views
+        of its weights): not watched, and what it makes is tagged with no segment, as a weight is."""
+        if _get_current_function_mode() is not self:
+            yield
+            return
+        with _pop_mode_temporarily():
+            yield
+
+    def unseen(self, fn, args: tuple = (), kwargs: Optional[dict] = None, check_reads: bool = True):
         """`fn(*args, **kwargs)` as one operation of the current segment, whose inside the tape does not
-        watch: a compiled block (dynamo does not trace a Python mode's bookkeeping). Its tensor arguments
-        are taken, and its results tagged, as any operation's: with the tape off, as in its handler,
-        since the taking and tagging are torch operations too."""
+        watch: a block (the engine runs every block so: watching costs Python on each torch call, and
+        dynamo does not trace a mode's bookkeeping). Its tensor arguments are taken, and its results
+        tagged, as any operation's: with the tape off, as in its handler, since the taking and tagging
+        are torch operations too. Since the inside is not watched, a tensor of an earlier segment that
+        `fn` reads other than through its arguments (a closure, a module attribute) would join the two
+        segments' graphs: with `check_reads`, the results' graph is walked back, and such a read refused
+        (a walk costs about as much Python as watching: the engine checks a block's first forward only)."""
         with _pop_mode_temporarily():
             args = tuple(self._take_arg(a) for a in args)
-            kwargs = {k: self._take_arg(v) for k, v in kwargs.items()}
+            kwargs = {k: self._take_arg(v) for k, v in (kwargs or {}).items()}
             out = fn(*args, **kwargs)
-            for t in (out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (tuple, list)) else ():
-                if isinstance(t, torch.Tensor) and t.requires_grad:
+            here, seen = len(self.segments) - 1, {}
+            for t in (out,) if isinstance(out, torch.Tensor) else tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
+                    if check_reads and self._segments_behind(t.grad_fn, seen) - {here}:
+                        raise ValueError(f"{getattr(fn, '__qualname__', fn)} read a tensor made before it other "
+                                         "than through its arguments (a closure or a module attribute): pass it "
+                                         "as an argument")
                     self._tag(t)
         return out
 

@@ -30,4 +30,16 @@ PLANTS: list[Plant] = [
           "Tape(_outside_the_engine)", "Tape()",
           "loss.backward() reaches only the last segment's leaves (a head without weights): it trains nothing, silently",
           "issue 31", ("tests/test_engine_misuse.py::test_misuse_fails_loudly_and_a_failed_forward_leaves_no_trace",)),
+    Plant("tape_lets_a_block_read_past_its_arguments", "zerofunc/tape.py",
+          "                    if self._segments_behind(t.grad_fn, seen) - {here}:\n",
+          "                    if False:\n",
+          "a block (run unwatched) reads an earlier segment's tensor through a module attribute: two segments' "
+          "graphs join, and the second backward through them fails or drops a gradient",
+          "issue 31", ("tests/test_tape.py",)),
+    Plant("tape_leaves_belong_to_no_segment", "zerofunc/tape.py",
+          "        if tag is None and not node.next_functions:  # a leaf's AccumulateGrad",
+          "        if False:  # a leaf's AccumulateGrad",
+          "a tensor a block keeps (made from its input leaf, unwatched) is taken as a weight's: its gradient to the "
+          "block's input is silently dropped",
+          "issue 31", ("tests/test_tape.py",)),
 ]
