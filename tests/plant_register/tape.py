@@ -31,7 +31,7 @@ PLANTS: list[Plant] = [
           "loss.backward() reaches only the last segment's leaves (a head without weights): it trains nothing, silently",
           "issue 31", ("tests/test_engine_misuse.py::test_misuse_fails_loudly_and_a_failed_forward_leaves_no_trace",)),
     Plant("tape_lets_a_block_read_past_its_arguments", "zerofunc/tape.py",
-          "                    if self._segments_behind(t.grad_fn, seen) - {here}:\n",
+          "                    if check_reads and self._segments_behind(t.grad_fn, seen) - {here}:\n",
           "                    if False:\n",
           "a block (run unwatched) reads an earlier segment's tensor through a module attribute: two segments' "
           "graphs join, and the second backward through them fails or drops a gradient",
