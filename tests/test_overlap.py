@@ -128,3 +128,58 @@ def test_gloo_staging_is_what_the_communicator_counts():
         assert observed == 4000  # a full copy of the 4000-byte input: comm.GLOO_STAGING
         assert (during, after) == (4000, 0)
     assert get_profile("cpu-gloo").collective_staging == GLOO_STAGING  # what the planner assumes for gloo
+
+
+def _most_blocks_gathered(overlap_comm: bool, checkpointing: bool) -> tuple[int, int]:
+    """(the most blocks gathered at once during two stage-3 steps, 1 + the engine's prefetch depth), as
+    rank 0 of a simulated world of 3 (a fresh process: it needs one without a process group)."""
+    from zerofunc.api import initialize
+    from zerofunc.check.world import simulated_world
+    from zerofunc.models import build_model
+    from zerofunc.step import train_step
+
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3, "overlap_comm": overlap_comm}}
+    if checkpointing:
+        config["activation_checkpointing"] = {}
+    with simulated_world(3) as comm:
+        engine = initialize(build_model(CFG), config, comm=comm, device="cpu")
+        gathering, most = engine.gathering, 0
+        for name in ("gather", "release"):  # every change of what is gathered passes through one of these
+            def counted(*args, real=getattr(gathering, name), **kwargs):
+                nonlocal most
+                real(*args, **kwargs)
+                most = max(most, sum(u.gathered for u in gathering.blocks))
+            setattr(gathering, name, counted)
+        ids = torch.randint(0, CFG.vocab_size, (2, CFG.block_size + 1))
+        for _ in range(2):
+            train_step(engine, [(ids[:, :-1], ids[:, 1:])])
+        return most, 1 + gathering.overlap.prefetch_depth
+
+
+CASES = [(overlap_comm, checkpointing) for overlap_comm in (False, True) for checkpointing in (False, True)]
+
+
+def _every_case() -> dict:
+    return {case: _most_blocks_gathered(*case) for case in CASES}
+
+
+@pytest.fixture(scope="module")
+def most_gathered() -> dict:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_every_case).result()
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["kept", "recomputed"])
+@pytest.mark.parametrize("overlap_comm", [False, True], ids=["depth-0", "depth-1"])
+def test_stage_3_holds_at_most_one_block_and_its_prefetch_gathered(most_gathered, overlap_comm, checkpointing):
+    """ZeRO-3's memory promise: at any moment of a step, forward or backward, the gathered blocks are the
+    one computing and the `prefetch_depth` being gathered for what runs next, never more (the planner
+    charges exactly these, test_planner_charges_one_gathered_block_per_prefetch_depth). A block kept
+    past its backward, or a prefetch that runs ahead, breaks it."""
+    most, bound = most_gathered[overlap_comm, checkpointing]
+    assert bound == (2 if overlap_comm else 1)
+    assert most == bound, f"{most} of {CFG.n_layer} blocks gathered at once, against 1 + prefetch depth = {bound}"

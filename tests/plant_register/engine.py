@@ -128,4 +128,19 @@ PLANTS: list[Plant] = [
           "return None, grad_weight",
           "a tied embedding gets only the head's gradient: the input embedding never learns",
           "issue 11 note", ("tests/test_lm_head.py",)),
+    # -- issue 31's named plants ---------------------------------------------------------------------------
+    Plant("reduce_scatter_after_update", ENG,
+          "        self._reducing.drain()\n        self.gathering.release_blocks()\n",
+          "        self.gathering.release_blocks()\n",
+          "the gradients' reductions are finished after the update, not before it: the optimizer steps on the "
+          "previous step's gradient shards (or none)",
+          "issue 31", (EQ2,),
+          also=((ENG, "        return self.optimizer.step(lr)\n",
+                 "        changed = self.optimizer.step(lr)\n        self._reducing.drain()\n        return changed\n"),)),
+    Plant("stage3_block_kept_past_its_backward", ENG,
+          "        self.gathering.release(unit)  # stage 3: backward is done with this unit's weights\n", "",
+          "stage 3 keeps each block gathered from its backward to the end of the step: by then the whole model",
+          "issue 31",
+          ("tests/test_overlap.py::test_stage_3_holds_at_most_one_block_and_its_prefetch_gathered",)),
 ]
+
