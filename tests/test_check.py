@@ -62,6 +62,7 @@ def test_gpt2_tiny_at_1_8_64_ranks_is_planned_to_the_byte_and_within_2_percent(t
     assert stage3[64] < stage3[8] < stage3[1]
 
 
+@pytest.mark.slow
 def test_compiled_stage_3_is_planned_to_the_byte_and_within_2_percent():
     """The compiled step regathers a stage-3 block before its compiled backward runs; the plan (the step
     on meta tensors, eager) gathers it as its backward first unpacks it. Both must come after the head's
