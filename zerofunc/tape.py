@@ -107,6 +107,7 @@ class Tape(TorchFunctionMode):
         differentiated with `grad`, a segment at a time); it may raise."""
         super().__init__()
         self._on_plain_backward = on_plain_backward
+        self._differentiating = False
         self._id = next(Tape._ids)  # what tensors are tagged with: not the tape, which they would keep alive
         self.segments: list[Segment] = [Segment(0, None)]
         self._leaf_import: dict[int, Import] = {}  # id(leaf) -> its import, for a leaf an even later segment takes
@@ -194,7 +195,9 @@ class Tape(TorchFunctionMode):
             t.grad_fn.metadata[_NODE_TAG] = (self._id, len(self.segments) - 1)
 
     def __torch_function__(self, func, types, args: Sequence[Any] = (), kwargs=None):
-        if func in _METADATA:  # reads what a tensor is, computes nothing: no leaf, no tag
+        # metadata reads compute nothing (no leaf, no tag); once backward has begun, the tape records no
+        # more (a checkpointed block's recomputation re-enters the forward's modes, this one included)
+        if func in _METADATA or self._differentiating:
             return func(*args, **(kwargs or {}))
         # Every torch operation of the forward passes here: arguments are walked by hand one level deep
         # (a tensor, or a list of them, as torch.cat takes), the pytree only for deeper nesting.
@@ -269,6 +272,7 @@ class Tape(TorchFunctionMode):
             raise ValueError("the loss was not computed inside this tape's forward")
         made = self._made(output)
         self._hand_on(get_gradient_edge(output), len(self.segments) - 1 if made is None else made, grad)
+        self._differentiating = True
 
     def _hand_on(self, edge: GradientEdge, made: int, g: torch.Tensor) -> None:
         key = (id(edge.node), edge.output_nr)
