@@ -38,13 +38,13 @@ from zerofunc.binding import bind
 from zerofunc.comm import Communicator
 from zerofunc.engine_state import WholeState
 from zerofunc.gather import UnitGathering
-from zerofunc.layout import shard
 from zerofunc.lm_head import LinearCrossEntropy
 from zerofunc.loss_scale import LossScaler
 from zerofunc.offload import OptimizerOffload
 from zerofunc.optim import AdamWConfig
-from zerofunc.overlap import InFlight, Overlap
+from zerofunc.overlap import Overlap
 from zerofunc.recompute import ActivationCheckpointing, checkpointed
+from zerofunc.reduction import GradientReduction
 from zerofunc.sharded_optim import ShardedAdamW
 from zerofunc.stages import Stage
 from zerofunc.tape import Tape
@@ -98,7 +98,6 @@ class ZeroEngine(WholeState):
         if replicas is not None and not stage.shard_optimizer:
             raise ValueError("hybrid sharding shards within a group: it needs ZeRO stage 1, 2 or 3")
         self.replicas = replicas if replicas is not None and replicas.world_size > 1 else None
-        self._reducing = InFlight(overlap.bucket_bytes)
         self.device = torch.device(device)
         self.memory = memory if memory is not None else NoMemoryTracking()
         comm.memory = self.memory  # the backend's staging during collectives counts too
@@ -108,6 +107,8 @@ class ZeroEngine(WholeState):
         if unit_names is None:
             unit_names = model.shard_units() if hasattr(model, "shard_units") else []
         self.offload = OptimizerOffload(self.device, self.memory) if offload_optimizer else None
+        self.reduction = GradientReduction(stage, comm, self.replicas, self.offload, self.memory, self.reduce_dtype,
+                                           overlap.bucket_bytes)
         self.units = [materialize(name, module, named, comm.world_size, comm.rank, stage, self.device, init,
                                   PRECISIONS[precision], self.memory, self.offload, self.reduce_dtype)
                       for name, module, named in partition(model, unit_names)]
@@ -244,13 +245,13 @@ class ZeroEngine(WholeState):
         (and multiplied by the fp16 loss scale), so gradients sum to the big batch's.
 
         The forward's tape is differentiated segment by segment, last first; each block's
-        gradient is handed to `unit_gradient` as soon as its segment is done, the root's
+        gradient is handed to the stage's reduction as soon as its segment is done, the root's
         (used in the first and, for a head, the last segments) after the first."""
         tape, self._tape = self._tape, None
         if tape is None:
             raise RuntimeError("engine.backward(loss) with no forward through the engine since the last backward")
         self.memory.mark("backward")
-        self._boundary = self.micro_step + 1 == self.grad_accum
+        boundary = self.micro_step + 1 == self.grad_accum  # stages 0-1 communicate only then
         scaler = self.optimizer.loss_scaler
         scale = (scaler.scale if scaler else 1.0) / self.grad_accum
         tape.seed(loss, torch.full_like(loss, scale))
@@ -263,62 +264,18 @@ class ZeroEngine(WholeState):
                     self.gathering.regather(unit)
                 grads = tape.grad(segment, [u.weights for u in (unit, root) if u is not None])
                 if unit is not None and grads[0] is not None:
-                    self.unit_gradient(unit, grads[0])
+                    self._unit_gradient(unit, grads[0], boundary)
                 if root is not None and grads[-1] is not None:
                     root_grad = grads[-1] if root_grad is None else root_grad.add_(grads[-1])
             if root_grad is not None:
-                self.unit_gradient(root, root_grad)
-        self._reducing.drain()
+                self._unit_gradient(root, root_grad, boundary)
+        self.reduction.drain()
         self.gathering.release_blocks()
         self.micro_step += 1
 
-    def unit_gradient(self, unit: Unit, grad: torch.Tensor) -> None:
-        """The unit's local gradient of this micro-step exists: accumulate and reduce it as the stage says.
-
-        Stages 0-1 keep the full local gradient as the accumulator and communicate only
-        on the last micro-step; stages 2-3 reduce-scatter every micro-step into a shard.
-        Each reduction is launched here and finished (its result put in place) when the
-        in-flight queue waits for it: later, while autograd works on earlier blocks.
-        """
-        stage, comm = self.stage, self.comm
-        if grad.dtype != self.reduce_dtype:  # accumulated and reduced in the configured dtype from here on
-            grad = grad.to(self.reduce_dtype)
-        nbytes = grad.numel() * grad.element_size()
-        overlapped = self._reducing.overlaps(nbytes)
-        if not stage.shard_grads:
-            self.memory.track(grad, "grads")
-            unit.local_grad = grad if unit.local_grad is None else unit.local_grad.add_(grad)
-            if not self._boundary:
-                return
-            if not stage.shard_optimizer:
-                unit.grad = unit.local_grad
-                self._reducing.add(comm.all_reduce(unit.local_grad, tag="grads", async_op=overlapped), nbytes)
-                return
-        self.memory.track(grad, "buffers" if stage.shard_grads else "grads")  # 2-3: only sent; 1: the gradient kept
-        reduced = None  # ZeRO-1 keeps the full gradient: the reduced shard lands in its own slice
-        if stage.shard_grads:
-            with self.memory.category("grads"):
-                reduced = torch.empty(unit.layout.shard_numel, device=grad.device, dtype=grad.dtype)
-        sent = grad if stage.shard_grads else unit.local_grad
-
-        def to_host():  # reduced for the last time: the gradient shard goes down to the host
-            unit.grad = self.offload.gradient_down(unit.staging, unit.grad)
-
-        def done():  # `sent` stays referenced, so allocated, until the reduce-scatter has finished with it
-            if not stage.shard_grads:
-                unit.grad = shard(sent, comm.rank, comm.world_size)
-            else:
-                unit.grad = reduced if unit.grad is None else unit.grad.add_(reduced)
-            then = to_host if self.offload is not None and self._boundary else None
-            if self.replicas is not None and self._boundary:
-                # the shard's mean over the replicas, once a step, in flight behind the rest of backward
-                shard_bytes = unit.grad.numel() * unit.grad.element_size()
-                self._reducing.add(self.replicas.all_reduce(unit.grad, tag="grads.replicas", async_op=
-                                                            self._reducing.overlaps(shard_bytes)), shard_bytes, then)
-            elif then is not None:
-                then()
-
-        self._reducing.add(comm.reduce_scatter(reduced, sent, tag="grads", async_op=overlapped), nbytes, done)
+    def _unit_gradient(self, unit: Unit, grad: torch.Tensor, boundary: bool) -> None:
+        """The unit's gradient of this micro-step exists: reduce it as the stage says (zerofunc/reduction.py)."""
+        self.reduction.add(unit, grad, boundary)
         self.gathering.release(unit)  # stage 3: backward is done with this unit's weights
 
     @property

@@ -249,7 +249,7 @@ class Tape(TorchFunctionMode):
         `fn` reads other than through its arguments (a closure, a module attribute) would join the two
         segments' graphs: with `check_reads`, the results' graph is walked back, and such a read refused
         (a walk costs about as much Python as watching: the engine checks a block's first forward only)."""
-        with _pop_mode_temporarily():
+        with self.paused():
             args = tuple(self._take_arg(a) for a in args)
             kwargs = {k: self._take_arg(v) for k, v in (kwargs or {}).items()}
             out = fn(*args, **kwargs)

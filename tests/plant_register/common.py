@@ -33,8 +33,9 @@ class Plant:
 
 ENG, OPT, COMM, CKPT, FUSED = ("zerofunc/engine.py", "zerofunc/sharded_optim.py", "zerofunc/comm.py",
                                "zerofunc/checkpoint.py", "zerofunc/fused.py")
+RED = "zerofunc/reduction.py"
 PLAN, HYBRID_REPLICAS = "zerofunc/plan/__init__.py", (
-    "            if self.replicas is not None and self._boundary:\n"
+    "            if self.replicas is not None and boundary:\n"
     "                # the shard's mean over the replicas, once a step, in flight behind the rest of backward\n"
     "                shard_bytes = unit.grad.numel() * unit.grad.element_size()\n"
     '                self._reducing.add(self.replicas.all_reduce(unit.grad, tag="grads.replicas", async_op=\n')

@@ -1,7 +1,7 @@
 """The plant register: the engine: the review's plants (issue 30), equivalence, collectives, the levers."""
 from __future__ import annotations
 
-from tests.plant_register.common import Plant, ENG, OPT, COMM, CKPT, HYBRID_REPLICAS, EQ1, EQ2, HYBRID2, SKIP_RESUME, FAST
+from tests.plant_register.common import Plant, ENG, RED, OPT, COMM, CKPT, HYBRID_REPLICAS, EQ1, EQ2, HYBRID2, SKIP_RESUME, FAST
 
 PLANTS: list[Plant] = [
     # -- the review's plants (issue 30): caught by the tests issue 30 adds (tests/steps.py, test_hybrid, test_faults)
@@ -19,14 +19,14 @@ PLANTS: list[Plant] = [
           also=((ENG, "                                      overlap.bucket_bytes, self.offload)\n",
                  "                                      overlap.bucket_bytes, self.offload)\n"
                  "        self.optimizer.replicas = self.replicas\n"),)),
-    Plant("hybrid_replicas_every_micro_step", ENG, HYBRID_REPLICAS,
-          HYBRID_REPLICAS.replace("is not None and self._boundary:", "is not None:"),
+    Plant("hybrid_replicas_every_micro_step", RED, HYBRID_REPLICAS,
+          HYBRID_REPLICAS.replace("is not None and boundary:", "is not None:"),
           "the replicas' all-reduce runs every micro-step: the same numbers for twice the traffic",
           "issue 30 review", (HYBRID2,)),
-    Plant("hybrid_offload_before_replicas_average", ENG,
-          "            then = to_host if self.offload is not None and self._boundary else None\n",
+    Plant("hybrid_offload_before_replicas_average", RED,
+          "            then = to_host if self.offload is not None and boundary else None\n",
           "            then = None\n"
-          "            if self.offload is not None and self._boundary:  # down before the replicas' average\n"
+          "            if self.offload is not None and boundary:  # down before the replicas' average\n"
           "                device_grad = unit.grad\n"
           "                to_host()\n"
           "                host, unit.grad = unit.grad, device_grad\n"
@@ -46,21 +46,21 @@ PLANTS: list[Plant] = [
           "        start = rank * self.shard_numel\n", "        start = rank * self.shard_numel - (rank > 0)\n",
           "each rank's shard starts one element early: ranks overlap and one element is nobody's",
           "issue 22 note; TESTS.md", ("tests/test_layout.py",)),
-    Plant("one_unit_reduction_skipped", ENG,
+    Plant("one_unit_reduction_skipped", RED,
           '                self._reducing.add(comm.all_reduce(unit.local_grad, tag="grads", async_op=overlapped), nbytes)\n',
           '                if unit.name != "":\n'
           '                    self._reducing.add(comm.all_reduce(unit.local_grad, tag="grads", async_op=overlapped), nbytes)\n',
           "stage 0 never all-reduces the root unit's gradient: the embedding drifts apart on every rank",
           "issue 22 note; TESTS.md", (EQ2,)),
     Plant("clipping_before_the_reduction", ENG,
-          "        stage, comm = self.stage, self.comm\n",
+          "        self.reduction.add(unit, grad, boundary)\n",
           "        if self.optimizer.clip and grad.device.type != 'meta':  # each local gradient clipped on its own\n"
           "            grad = grad * min(1.0, self.optimizer.clip / (float(grad.norm()) + 1e-6))\n"
-          "        stage, comm = self.stage, self.comm\n",
+          "        self.reduction.add(unit, grad, boundary)\n",
           "each rank clips its local gradient by its own norm before the reduction, not the global one after it",
           "issue 22 note; TESTS.md", (EQ1,)),
     Plant("every_micro_step_a_boundary", ENG,
-          "self._boundary = self.micro_step + 1 == self.grad_accum", "self._boundary = True",
+          "boundary = self.micro_step + 1 == self.grad_accum", "boundary = True",
           "with accumulation, stages 0-1 communicate every micro-step: K times the traffic",
           "issue 2 note", ("tests/test_ledger.py", *FAST)),
     Plant("stage3_blocks_kept_after_forward", ENG,
@@ -130,13 +130,13 @@ PLANTS: list[Plant] = [
           "issue 11 note", ("tests/test_lm_head.py",)),
     # -- issue 31's named plants ---------------------------------------------------------------------------
     Plant("reduce_scatter_after_update", ENG,
-          "        self._reducing.drain()\n        self.gathering.release_blocks()\n",
+          "        self.reduction.drain()\n        self.gathering.release_blocks()\n",
           "        self.gathering.release_blocks()\n",
           "the gradients' reductions are finished after the update, not before it: the optimizer steps on the "
           "previous step's gradient shards (or none)",
           "issue 31", (EQ2,),
           also=((ENG, "        return self.optimizer.step(lr)\n",
-                 "        changed = self.optimizer.step(lr)\n        self._reducing.drain()\n        return changed\n"),)),
+                 "        changed = self.optimizer.step(lr)\n        self.reduction.drain()\n        return changed\n"),)),
     Plant("stage3_block_kept_past_its_backward", ENG,
           "        self.gathering.release(unit)  # stage 3: backward is done with this unit's weights\n", "",
           "stage 3 keeps each block gathered from its backward to the end of the step: by then the whole model",

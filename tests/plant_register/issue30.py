@@ -1,7 +1,7 @@
 """The plant register: issue 30: tolerances, the engine and the planner, GPU-measured memory, doors, recipes."""
 from __future__ import annotations
 
-from tests.plant_register.common import Plant, ENG, CKPT, KM, PLAN_CMD, INIT, FINETUNE, FAST
+from tests.plant_register.common import Plant, RED, CKPT, KM, PLAN_CMD, INIT, FINETUNE, FAST
 
 PLANTS: list[Plant] = [
     # -- issue 30: tolerances, each sized to catch one of these (its test's comment gives the margins) ------
@@ -39,7 +39,7 @@ PLANTS: list[Plant] = [
           "    if frozen:  # the engine would train them", "    if False:  # the engine would train them",
           "a requires_grad=False parameter (an adapter's frozen base) is trained without a word",
           "issue 30 (doors)", ("tests/test_api.py", "-k", "frozen")),
-    Plant("reduce_dtype_ignored", ENG,
+    Plant("reduce_dtype_ignored", RED,
           "        if grad.dtype != self.reduce_dtype:  # accumulated", "        if False:  # accumulated",
           "communication_data_type fp32 is read and ignored: bf16 gradients are still summed in bf16",
           "issue 30 (recipes)", ("tests/test_reduce_dtype.py", *FAST)),

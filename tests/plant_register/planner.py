@@ -1,11 +1,11 @@
 """The plant register: the planner and the check."""
 from __future__ import annotations
 
-from tests.plant_register.common import Plant, ENG, PLAN, HYBRID_REPLICAS, HYBRID2, FAST
+from tests.plant_register.common import Plant, ENG, RED, PLAN, HYBRID_REPLICAS, HYBRID2, FAST
 
 PLANTS: list[Plant] = [
     # -- the planner and the check (issues 9, 22, 25) -----------------------------------------------------
-    Plant("stage1_gradient_counted_as_buffers", ENG,
+    Plant("stage1_gradient_counted_as_buffers", RED,
           'self.memory.track(grad, "buffers" if stage.shard_grads else "grads")', 'self.memory.track(grad, "buffers")',
           "the plan shows stage 1's whole local gradient as buffers, not gradients", "issue 22 note",
           ("tests/test_plan.py", *FAST)),
@@ -49,12 +49,12 @@ PLANTS: list[Plant] = [
           "shard(unit.full, (self.secondary.rank + 1) % self.secondary.world_size, self.secondary.world_size)",
           "hpZ keeps its neighbour's part of the weights: backward gathers them in the wrong order",
           "issue 25 note", ("tests/test_hpz.py", *FAST)),
-    Plant("hybrid_replicas_average_skipped", ENG, HYBRID_REPLICAS,
-          HYBRID_REPLICAS.replace("self._boundary:", "self._boundary and False:"),
+    Plant("hybrid_replicas_average_skipped", RED, HYBRID_REPLICAS,
+          HYBRID_REPLICAS.replace("and boundary:", "and boundary and False:"),
           "hybrid sharding never averages over the replicas: each shard group trains on its own data",
           "issue 25 note", (HYBRID2,)),
-    Plant("hybrid_replicas_summed_every_micro_step", ENG, HYBRID_REPLICAS,
-          HYBRID_REPLICAS.replace("is not None and self._boundary:", "is not None:").replace(
+    Plant("hybrid_replicas_summed_every_micro_step", RED, HYBRID_REPLICAS,
+          HYBRID_REPLICAS.replace("is not None and boundary:", "is not None:").replace(
               'tag="grads.replicas", async_op=', 'tag="grads.replicas", mean=False, async_op='),
           "hybrid sharding sums over the replicas every micro-step, without the 1/N", "issue 25 note", (HYBRID2,)),
     Plant("tracker_drops_gradients", "sim/memory.py",

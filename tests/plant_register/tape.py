@@ -25,7 +25,7 @@ PLANTS: list[Plant] = [
           "importing the engine asks CUDA whether it is there: every rank forked from the launcher's fork server "
           "fails with 'Cannot re-initialize CUDA in forked subprocess' (seen on the H100)",
           "issue 31, CUDA run 2",
-          ("tests/test_faults.py::test_the_ranks_fork_server_imports_without_asking_cuda_anything",)),
+          ("tests/test_launch.py::test_the_ranks_fork_server_imports_without_asking_cuda_anything",)),
     Plant("tape_lets_a_plain_backward_through", "zerofunc/engine.py",
           "Tape(_outside_the_engine)", "Tape()",
           "loss.backward() reaches only the last segment's leaves (a head without weights): it trains nothing, silently",

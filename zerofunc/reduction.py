@@ -1,0 +1,83 @@
+"""A unit's gradient of one micro-step, accumulated and reduced as the stage says.
+
+The engine hands each unit's gradient here as a value, the moment backward is done with the
+unit (zerofunc/engine.py). Stages 0-1 keep the full local gradient as the accumulator and
+communicate on the last micro-step only (the accumulation boundary); stages 2-3 reduce-scatter
+every micro-step into the rank's shard. Hybrid sharding then averages the shard over the
+replicas, once a step; optimizer offload takes it down to the host once it is reduced for the
+last time. Reductions run behind the rest of backward, within the bucket size (`InFlight`).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from zerofunc.comm import Communicator
+from zerofunc.layout import shard
+from zerofunc.offload import OptimizerOffload
+from zerofunc.overlap import InFlight
+from zerofunc.stages import Stage
+from zerofunc.units import Unit
+
+
+class GradientReduction:
+    """One engine's gradient reductions: `add` launches a unit's, `drain` finishes all in flight."""
+
+    def __init__(self, stage: Stage, comm: Communicator, replicas: Optional[Communicator],
+                 offload: Optional[OptimizerOffload], memory, reduce_dtype: torch.dtype, bucket_bytes: int):
+        self.stage, self.comm, self.replicas, self.offload, self.memory = stage, comm, replicas, offload, memory
+        self.reduce_dtype = reduce_dtype
+        self._reducing = InFlight(bucket_bytes)
+
+    def add(self, unit: Unit, grad: torch.Tensor, boundary: bool) -> None:
+        """The unit's local gradient of this micro-step exists: accumulate and reduce it as the stage says.
+
+        Stages 0-1 keep the full local gradient as the accumulator and communicate only
+        on the last micro-step; stages 2-3 reduce-scatter every micro-step into a shard.
+        Each reduction is launched here and finished (its result put in place) when the
+        in-flight queue waits for it: later, while autograd works on earlier blocks.
+        """
+        stage, comm = self.stage, self.comm
+        if grad.dtype != self.reduce_dtype:  # accumulated and reduced in the configured dtype from here on
+            grad = grad.to(self.reduce_dtype)
+        nbytes = grad.numel() * grad.element_size()
+        overlapped = self._reducing.overlaps(nbytes)
+        if not stage.shard_grads:
+            self.memory.track(grad, "grads")
+            unit.local_grad = grad if unit.local_grad is None else unit.local_grad.add_(grad)
+            if not boundary:
+                return
+            if not stage.shard_optimizer:
+                unit.grad = unit.local_grad
+                self._reducing.add(comm.all_reduce(unit.local_grad, tag="grads", async_op=overlapped), nbytes)
+                return
+        self.memory.track(grad, "buffers" if stage.shard_grads else "grads")  # 2-3: only sent; 1: the gradient kept
+        reduced = None  # ZeRO-1 keeps the full gradient: the reduced shard lands in its own slice
+        if stage.shard_grads:
+            with self.memory.category("grads"):
+                reduced = torch.empty(unit.layout.shard_numel, device=grad.device, dtype=grad.dtype)
+        sent = grad if stage.shard_grads else unit.local_grad
+
+        def to_host():  # reduced for the last time: the gradient shard goes down to the host
+            unit.grad = self.offload.gradient_down(unit.staging, unit.grad)
+
+        def done():  # `sent` stays referenced, so allocated, until the reduce-scatter has finished with it
+            if not stage.shard_grads:
+                unit.grad = shard(sent, comm.rank, comm.world_size)
+            else:
+                unit.grad = reduced if unit.grad is None else unit.grad.add_(reduced)
+            then = to_host if self.offload is not None and boundary else None
+            if self.replicas is not None and boundary:
+                # the shard's mean over the replicas, once a step, in flight behind the rest of backward
+                shard_bytes = unit.grad.numel() * unit.grad.element_size()
+                self._reducing.add(self.replicas.all_reduce(unit.grad, tag="grads.replicas", async_op=
+                                                            self._reducing.overlaps(shard_bytes)), shard_bytes, then)
+            elif then is not None:
+                then()
+
+        self._reducing.add(comm.reduce_scatter(reduced, sent, tag="grads", async_op=overlapped), nbytes, done)
+
+    def drain(self) -> None:
+        """Wait for every reduction in flight, in launch order (the same on every rank)."""
+        self._reducing.drain()
