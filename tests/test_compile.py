@@ -57,7 +57,8 @@ def test_the_trainer_compiles_on_cpu_only_when_asked(tmp_path):
     from train.cli import parse
     argv = ["--device", "cpu", "--out", str(tmp_path / "run")]
     assert parse(argv).compile is False
-    assert parse(argv + ["--compile"]).compile is True
+    assert parse(argv + ["--compile"]).compile == "blocks"
+    assert parse(argv + ["--compile", "whole"]).compile == "whole"
     assert parse(argv + ["--no-compile"]).compile is False
 
 

@@ -24,7 +24,7 @@ from zerofunc.config import (MAX_BUCKET_MB, MAX_COMM_TIMEOUT_S, MAX_MICRO_BATCH_
                              read as read_config)
 from zerofunc.launch import (RankError, comm_failure_line, default_backend, init_torchrun, is_comm_failure, spawn,
                              under_torchrun)
-from zerofunc import pretrained
+from zerofunc import pretrained, whole_step
 from zerofunc.checkpoint_files import CheckpointError, verify
 from zerofunc.pretrained import WeightsError
 from zerofunc.models import build_model, model_config
@@ -111,6 +111,13 @@ def parse(argv: list[str] | None) -> TrainArgs:
         if getattr(a, flag) < (0 if flag == "eval_every" else 1):
             raise UsageError(f"--{flag.replace('_', '-')} must be at least {0 if flag == 'eval_every' else 1}, "
                              f"got {getattr(a, flag)}")
+    compile = _compile_mode(a.compile, config, device)
+    why = compile == "whole" and whole_step.refusal(
+        config.offload_optimizer, config.shard_group is not None and config.stage > 0, config.hpz is not None,
+        config.precision == "fp16", config.checkpointing.on,
+        config.reduce_dtype is not None and config.reduce_dtype != config.precision)
+    if why:
+        raise UsageError(why)
     with torch.device("meta"):
         model = build_model(model_cfg)
     if a.resume:  # the checkpoint's weights, not --init-from's
@@ -119,9 +126,15 @@ def parse(argv: list[str] | None) -> TrainArgs:
     elif a.init_from is not None:
         pretrained.weights(a.init_from, model)  # names, shapes and files checked here, before any rank starts
     return TrainArgs(a.model, config, a.nproc, a.steps, a.seq, a.dropout, a.seed, a.data, a.out, device,
-                     a.save_every, a.resume, a.plot, device == "cuda" if a.compile is None else a.compile,
+                     a.save_every, a.resume, a.plot, compile,
                      a.on_nonfinite, a.on_save_error, config.comm_timeout, a.init_from, a.eval_every,
                      a.eval_batches, a.tensorboard)
+
+
+def _compile_mode(flag: bool | str | None, config, device: str) -> bool | str:
+    """--compile, else the config's `compile` key, else blocks on CUDA and nothing on CPU."""
+    chosen = flag if flag is not None else config.compile
+    return ("blocks" if device == "cuda" else False) if chosen is None else chosen
 
 
 def _model_spec(a: argparse.Namespace) -> str:

@@ -54,8 +54,11 @@ def parser() -> ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint under --out")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="draw the loss curve at the end")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA if available")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.compile each block's compute (default: on for CUDA, off for CPU)")
+    p.add_argument("--compile", nargs="?", const="blocks", choices=("blocks", "whole"), default=None,
+                   help="torch.compile each block's compute (blocks, the default on CUDA), or the whole step with its "
+                        "collectives (whole: stages 0-3 without offload, hpZ, hybrid sharding, fp16 or AC)")
+    p.add_argument("--no-compile", dest="compile", action="store_const", const=False,
+                   help="run eagerly (the default on CPU)")
     p.add_argument("--prefetch-depth", type=int, default=None,
                    help=f"stage 3: blocks gathered ahead of the one computing (default {Overlap.prefetch_depth})")
     p.add_argument("--bucket-mb", type=float, default=None,

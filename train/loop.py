@@ -43,7 +43,7 @@ class TrainArgs:
     save_every: int = 0   # save a checkpoint every K steps (0: never)
     resume: bool = False  # continue from the newest checkpoint under `out`
     plot: Optional[str] = None  # draw the loss curve to this PNG at the end
-    compile: bool = False       # torch.compile each block's compute
+    compile: bool | str = False  # False, "blocks" (torch.compile each block's compute) or "whole" (the step)
     on_nonfinite: str = "stop"  # a step whose gradients hold an inf or a NaN: "stop" the run, or "skip" the step
     on_save_error: str = "stop"  # a checkpoint that cannot be written: "stop" the run, or "continue" without it
     comm_timeout: float = 300.0  # seconds a collective may wait for the other ranks before it fails
@@ -94,7 +94,7 @@ def train_rank(args: TrainArgs) -> dict:
     progress = Progress(first, args.steps) if rank == 0 else None
     start = time.perf_counter()
     loss_mean = float("nan")
-    totals = {"peak_bytes": 0, "comm_bytes": 0, "tokens": 0}
+    totals = {"peak_bytes": 0, "comm_bytes": 0, "tokens": 0, "whole": args.compile == "whole"}
     nonfinite = engine.optimizer.nonfinite_steps
     for step in range(first, args.steps + 1):
         mark_step(step)

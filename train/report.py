@@ -46,6 +46,9 @@ def summary(per_rank: list[dict], steps: int) -> str:
              f"peak memory per rank: {peaks}",
              f"communication: {r0['comm_bytes'] / GiB:.3f} GiB in all, {r0['comm_bytes'] / max(steps, 1) / 2**20:.2f} MiB "
              f"per step (ZeRO-paper volume, per rank)"]
+    if r0.get("whole"):  # zerofunc/whole_step.py
+        lines[2] = ("communication: inside the compiled step's graphs, not counted (--compile whole); the peak "
+                    "counts the engine's buffers, not the compiled step's own on CPU")
     return "\n".join(lines)
 
 

@@ -18,7 +18,7 @@ from zerofunc.units import InitFn
 
 def initialize(model: nn.Module, config: dict | str | Path | Config, *, device: Optional[torch.device | str] = None,
                comm: Optional[Communicator] = None, init: Optional[InitFn] = None,
-               unit_names: Optional[list[str]] = None, memory=None, compile: Optional[bool] = None,
+               unit_names: Optional[list[str]] = None, memory=None, compile: Optional[bool | str] = None,
                replicas: Optional[Communicator] = None, secondary: Optional[Communicator] = None) -> ZeroEngine:
     """Wrap `model` (any nn.Module) in a ZeRO engine configured by a DeepSpeed-style `config`.
 
@@ -26,8 +26,10 @@ def initialize(model: nn.Module, config: dict | str | Path | Config, *, device: 
     runs alone or under torchrun. A model with real weights starts from them, and its
     own copies are then released (only the engine's flat buffers hold weights); a model
     on the meta device needs `init`, or an `init_param(name, shape, seed)` method.
-    `compile` runs each unit's compute through torch.compile; by default on CUDA only
-    (on CPU inductor emits C++, and a first compile costs more than a short run saves).
+    `compile` (else the config's `compile` key): "blocks" (or True) runs each block's compute through
+    torch.compile, "whole" compiles the whole step with its collectives (zerofunc/whole_step.py), False
+    neither; by default blocks on CUDA only (on CPU inductor emits C++, and a first compile costs more than
+    a short run saves).
     """
     world = comm.world_size if comm is not None else dist.get_world_size() if dist.is_initialized() else 1
     cfg = config if isinstance(config, Config) else parse(config, world)  # bad input fails before any set-up
@@ -66,7 +68,7 @@ def initialize(model: nn.Module, config: dict | str | Path | Config, *, device: 
     engine = ZeroEngine(model, get_stage(cfg.stage), comm, cfg.optimizer, device, init,
                         unit_names if unit_names is not None else default_units(model), precision=cfg.precision,
                         memory=memory, grad_accum=cfg.grad_accum, clip=cfg.clip, loss_scaler=cfg.loss_scaler(),
-                        overlap=cfg.overlap, compile=torch.device(device).type == "cuda" if compile is None else compile,
+                        overlap=cfg.overlap, compile=_compile_mode(compile, cfg, device),
                         checkpointing=cfg.checkpointing, offload_optimizer=cfg.offload_optimizer, replicas=replicas,
                         secondary=secondary if cfg.hpz is not None else None, reduce_dtype=cfg.reduce_dtype)
     engine.optimizer.lr_schedule = cfg.lr
@@ -74,6 +76,13 @@ def initialize(model: nn.Module, config: dict | str | Path | Config, *, device: 
     if real:
         _release_module_weights(model)
     return engine
+
+
+def _compile_mode(given: Optional[bool | str], cfg: Config, device) -> bool | str:
+    chosen = given if given is not None else cfg.compile
+    if chosen is None:
+        return "blocks" if torch.device(device).type == "cuda" else False
+    return "blocks" if chosen is True else chosen
 
 
 def default_units(model: nn.Module) -> list[str]:

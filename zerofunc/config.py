@@ -58,6 +58,7 @@ class Config:
     hpz: Optional[int] = None  # stage 3: ranks backward gathers from, each keeping 1/hpz after forward (None: off)
     comm_timeout: float = 300.0  # seconds a collective waits for the other ranks (zerofunc's key; DeepSpeed has none)
     reduce_dtype: Optional[str] = None  # communication_data_type: gradients' reduction dtype (None: the compute dtype)
+    compile: bool | str | None = None  # zerofunc's key: false, "blocks" (true) or "whole" (None: blocks on CUDA only)
     ignored: tuple[str, ...] = ()
 
     def loss_scaler(self) -> Optional[LossScaler]:
@@ -101,7 +102,7 @@ def parse(source: dict | str | Path, world_size: int) -> Config:
     ignored: list[str] = []
     known = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
              "zero_optimization", "fp16", "bf16", "gradient_clipping", "optimizer", "scheduler",
-             "activation_checkpointing", "comm_timeout", "communication_data_type"}
+             "activation_checkpointing", "comm_timeout", "communication_data_type", "compile"}
     sections.check_keys(raw, known, IGNORED_TOP, "", ignored)
 
     zero = sections.section_of(raw, "zero_optimization")
@@ -138,6 +139,10 @@ def parse(source: dict | str | Path, world_size: int) -> Config:
             check_reduce_dtype(reduce_dtype, precision)
         except ValueError as e:
             raise ConfigError(f"communication_data_type: {e}") from None
+    compile = raw.get("compile")
+    if compile not in (None, False, True, "blocks", "whole"):
+        raise ConfigError(f'compile must be false, true ("blocks": each block compiled) or "whole" (the step compiled '
+                          f'whole), got {json.dumps(compile)}')
     mb, gas, tbs = _batch_triple(raw, world_size)
     try:
         return Config(stage=stage, micro_batch=mb, grad_accum=gas, train_batch_size=tbs, precision=precision,
@@ -145,7 +150,7 @@ def parse(source: dict | str | Path, world_size: int) -> Config:
                       schedule=sections.schedule(raw), overlap=sections.overlap(zero, precision),
                       checkpointing=sections.checkpointing(raw, ignored), offload_optimizer=offload,
                       shard_group=shard_group, hpz=hpz, comm_timeout=comm_timeout, reduce_dtype=reduce_dtype,
-                      ignored=tuple(ignored))
+                      compile="blocks" if compile is True else compile, ignored=tuple(ignored))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

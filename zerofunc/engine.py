@@ -50,6 +50,7 @@ from zerofunc.stages import Stage
 from zerofunc.tape import Tape
 from sim.memory import NoMemoryTracking
 from zerofunc.units import PRECISIONS, InitFn, Unit, check_reduce_dtype, materialize, partition
+from zerofunc.whole_step import WholeStep
 
 
 class ZeroEngine(WholeState):
@@ -80,7 +81,7 @@ class ZeroEngine(WholeState):
                  device: torch.device | str = "cpu", init: Optional[InitFn] = None,
                  unit_names: Optional[list[str]] = None, precision: str = "fp32", memory=None,
                  grad_accum: int = 1, clip: float = 0.0, loss_scaler: Optional[LossScaler] = None,
-                 overlap: Overlap = Overlap(), compile: bool = False,
+                 overlap: Overlap = Overlap(), compile: bool | str = False,
                  checkpointing: ActivationCheckpointing = ActivationCheckpointing(), offload_optimizer: bool = False,
                  replicas: Optional[Communicator] = None, secondary: Optional[Communicator] = None,
                  reduce_dtype: Optional[str] = None):
@@ -88,11 +89,13 @@ class ZeroEngine(WholeState):
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         check_reduce_dtype(reduce_dtype, precision)
         self.reduce_dtype = PRECISIONS[reduce_dtype or precision]
+        if compile not in (False, True, "blocks", "whole"):
+            raise ValueError(f"compile must be False, True (\"blocks\") or \"whole\", got {compile!r}")
         if grad_accum < 1 or clip < 0:
             raise ValueError(f"need grad_accum >= 1 and clip >= 0, got {grad_accum} and {clip}")
         if offload_optimizer and not stage.shard_optimizer:
             raise ValueError("optimizer offload needs ZeRO stage 1, 2 or 3 (stage 0 keeps no optimizer shard)")
-        self.grad_accum = grad_accum
+        self.grad_accum, self.checkpointing = grad_accum, checkpointing
         self.micro_step = 0          # backward passes since the last optimizer step
         self.model, self.stage, self.comm, self.optim, self.overlap = model, stage, comm, optim, overlap
         if replicas is not None and not stage.shard_optimizer:
@@ -117,12 +120,16 @@ class ZeroEngine(WholeState):
                                       overlap.bucket_bytes, self.offload)
         self._tape: Optional[Tape] = None  # the last forward's, until its backward
         self._unit_named = {u.name: u for u in self.units}
-        for unit in self.units:  # the gradient comes as a value from engine.backward, never into .grad
-            unit.weights.register_post_accumulate_grad_hook(_outside_the_engine)
         self._root = next((u for u in self.units if u.name == ""), None)  # parameters outside any block
         self.gathering = UnitGathering(self.units, stage, comm, overlap, self.memory, secondary)
         if checkpointing.on and not self.gathering.blocks:
             raise ValueError("activation checkpointing recomputes blocks, and this model has none: give unit_names")
+        self.whole: Optional[WholeStep] = None  # the step compiled whole, which brings in the blocks' weights itself
+        if compile == "whole":
+            self.whole = WholeStep(self)
+            return
+        for unit in self.units:  # the gradient comes as a value from engine.backward, never into .grad
+            unit.weights.register_post_accumulate_grad_hook(_outside_the_engine)
         # a compiled backward saves its weights past the pack hook: stage 3 gathers such a block again
         # before its segment is differentiated
         self._regather_before_backward = compile and stage.shard_params
@@ -148,6 +155,10 @@ class ZeroEngine(WholeState):
         adapter through which the model's own forward, not the engine, says where blocks
         start. The root unit is bound (and under stage 3 gathered) for the whole call.
         """
+        if self.whole is not None:
+            if torch.is_grad_enabled():
+                raise RuntimeError("this engine compiles the step whole: train with zerofunc.step.train_step")
+            return self.whole.loss(args, kwargs)
         self.memory.mark("forward")
         views: dict[str, torch.Tensor] = {}
         if self._root is not None:

@@ -120,6 +120,9 @@ class LinearCrossEntropy(nn.Module):
         valid = (t != IGNORE_INDEX).float()
         count = valid.sum() if num_items_in_batch is None else torch.as_tensor(
             num_items_in_batch, dtype=torch.float32, device=h.device)
+        if torch.compiler.is_compiling():  # a traced step: the compiler plans the logits' memory itself
+            z = nn.functional.linear(h, weight).float()
+            return nn.functional.cross_entropy(z, t, ignore_index=IGNORE_INDEX, reduction="sum") / count
         rows = chunk_rows(h.shape[0], weight.shape[0], weight.shape[1])
         if not (torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)):
             with torch.no_grad():  # evaluation: the loss alone
@@ -152,5 +155,9 @@ class _TiedEmbedding(torch.autograd.Function):
 @overridable  # seen by zerofunc.tape, which cuts the forward where blocks start
 def tied_embedding(idx: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`(F.embedding(idx, weight), weight)`, where the head must use the returned weight: its
-    gradient then takes the embedding's rows in place."""
+    gradient then takes the embedding's rows in place. Traced by torch.compile, the plain embedding: the
+    compiler plans the two gradients' sum itself (and dynamo refuses a Function that returns a view of its
+    input when that input is itself made by a Function, as stage 2's whole weights are)."""
+    if torch.compiler.is_compiling():
+        return nn.functional.embedding(idx, weight), weight
     return _TiedEmbedding.apply(idx, weight)

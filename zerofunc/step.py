@@ -118,6 +118,10 @@ def train_step(engine: ZeroEngine, micro_batches: Sequence[MicroBatch]) -> torch
     if len(micro_batches) != engine.grad_accum:
         raise ValueError(f"{len(micro_batches)} micro-batches for {engine.grad_accum} accumulation steps")
     num_items = num_items_in_batch(engine, micro_batches)
+    if engine.whole is not None:  # the step compiled whole (zerofunc/whole_step.py)
+        mean = engine.whole(micro_batches, num_items)
+        engine.reduce_data_parallel(mean, tag="metrics")
+        return mean
     total = None
     for batch in micro_batches:
         loss = micro_step_loss(engine, batch, num_items)

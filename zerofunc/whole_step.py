@@ -1,0 +1,276 @@
+"""The step compiled whole (`compile="whole"`): forward, backward and update as torch.compile graphs, each
+collective inside them a functional collective (torch.distributed._functional_collectives) whose result is
+a value, for the compiler to schedule and fuse with the compute around it.
+
+How each stage brings a unit's weights into its block, and takes its gradient out, is one decision
+(`_whole_weights`), made where the block starts:
+
+- stage 3: `all_gather(shard)`, an autograd op whose backward is the reduce-scatter of the block's
+  gradient, which is then the shard's gradient. The gather runs under a selective-checkpoint policy that
+  recomputes it instead of saving it (SimpleFSDP's, torchtitan): backward gathers each block again just
+  before its own backward, and no gathered block lives from forward to backward.
+- stage 2: the whole weights every rank keeps, through an identity whose backward is the reduce-scatter.
+- stages 0-1: the whole weights, their gradient kept whole and all-reduced at the accumulation boundary.
+
+The update is two graphs around one host read, as the eager optimizer's: the reduced gradients and their
+global norm (a non-finite norm skips the step, as eager's does), then clipping, AdamW on this rank's fp32
+shard and, at stages 1-2, the all-gather of the new weights. The step count and the learning rate enter
+as tensors, so a new step is no new graph.
+
+The compiler's collective passes are this module's decisions too (`CollectivePass`): inductor's
+bucketing would merge every gather of the model into one (its cap is 2000 MB) and so hold every block
+gathered at once; here gathers and reduce-scatters are bucketed up to the overlap bucket size, and the
+comm-reordering passes stay off. What the graphs then hold is read back from them
+(`CollectivePass.graphs`): tests/test_whole_step.py holds stage 3 to one gathered block at a time.
+
+Levers the eager step has and this one does not yet (offload, hpZ, hybrid sharding, fp16 loss scaling,
+activation checkpointing, an fp32 reduction of 16-bit gradients) are refused in one line.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.func import functional_call
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
+
+
+def refusal(offload: bool, hybrid: bool, hpz: bool, fp16: bool, checkpointing: bool, reduce_upcast: bool) -> Optional[str]:
+    """Why a step with these levers on cannot be compiled whole yet, or None (the trainer's command line
+    asks with the config's values before any rank starts, the engine with its own)."""
+    levers = {"optimizer offload": offload, "hybrid sharding": hybrid, "hpZ": hpz, "fp16 loss scaling": fp16,
+              "activation checkpointing": checkpointing, "gradients reduced in fp32 (communication_data_type)":
+              reduce_upcast}
+    named = [name for name, on in levers.items() if on]
+    return f"--compile whole does not support {', '.join(named)} yet: use --compile blocks" if named else None
+
+
+def _recompute_gathers(ctx, func, *args, **kwargs):
+    """Stage 3's policy: a gathered weight is gathered again in backward, never kept for it."""
+    return CheckpointPolicy.MUST_RECOMPUTE if func in (_GATHER, _WAIT) else CheckpointPolicy.PREFER_SAVE
+
+
+class _ReduceScatteredGradient(torch.autograd.Function):
+    """Stage 2: the whole weights, as they are; their gradient reduce-scattered onto this rank's shard."""
+
+    @staticmethod
+    def forward(shard, whole, group_name):
+        return whole.view_as(whole)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.group_name = inputs[2]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return funcol.reduce_scatter_tensor(grad, "sum", 0, ctx.group_name), None, None
+
+
+@dataclass
+class GraphCollectives:
+    """What one compiled graph holds, read after the collective passes: its collectives in graph order
+    (op name, bytes out), and the most bytes of gathered weights alive at any of its nodes."""
+
+    collectives: list[tuple[str, int]]
+    peak_gathered_bytes: int
+
+
+class CollectivePass(CustomGraphPass):
+    """Inductor's post-grad pass for the step's graphs: buckets gathers and reduce-scatters up to
+    `bucket_bytes` (adjacent ones only, so every rank issues the same), then records the graph."""
+
+    def __init__(self, bucket_bytes: int):
+        self.bucket_bytes = bucket_bytes
+        self.graphs: list[GraphCollectives] = []
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        from torch._inductor.fx_passes.bucketing import bucket_all_gather, bucket_reduce_scatter
+        cap_mb = lambda _bucket: self.bucket_bytes / 2**20  # noqa: E731
+        if self.bucket_bytes:
+            bucket_all_gather(graph.owning_module, cap_mb)
+            bucket_reduce_scatter(graph.owning_module, cap_mb)
+        self.graphs.append(read_collectives(graph))
+
+    def uuid(self) -> Any:
+        return ("zerofunc.whole_step.CollectivePass", 1, self.bucket_bytes)
+
+
+def read_collectives(graph: torch.fx.Graph) -> GraphCollectives:
+    """The collectives of `graph`, and the most bytes of all-gather output alive at once: each output lives
+    from its gather to the last use of anything that aliases it (its wait, views, slices, a bucket's split;
+    for a bucket gathered into a buffer, `out=`, that buffer's uses too)."""
+    nodes = list(graph.nodes)
+    where = {n: i for i, n in enumerate(nodes)}
+    collectives, spans = [], []
+    for n in nodes:
+        name = getattr(n.target, "__name__", str(n.target))
+        if n.op != "call_function" or "_c10d_functional" not in str(n.target) or "wait" in name:
+            continue
+        val = n.meta.get("val")
+        outs = val if isinstance(val, (list, tuple)) else [val]
+        nbytes = sum(t.numel() * t.element_size() for t in outs if isinstance(t, torch.Tensor))
+        collectives.append((name.split(".")[0], nbytes))
+        if "all_gather" in name:
+            heads = [n] + [a for a in [n.kwargs.get("out")] if isinstance(a, torch.fx.Node)]
+            spans.append((where[n], max(_last_alias_use(h, where) for h in heads), nbytes))
+    peak = max((sum(b for lo, hi, b in spans if lo <= i <= hi) for i in range(len(nodes))), default=0)
+    return GraphCollectives(collectives, peak)
+
+
+def _last_alias_use(node: torch.fx.Node, where: dict) -> int:
+    last, stack, seen = where[node], [node], {node}
+    while stack:
+        for user in stack.pop().users:
+            last = max(last, where[user])
+            name = str(user.target)
+            aliases = user.target is _WAIT or any(k in name for k in ("getitem", "view", "split", "slice",
+                                                                        "as_strided", "reinterpret", "alias"))
+            if aliases and user not in seen:
+                seen.add(user)
+                stack.append(user)
+    return last
+
+
+class WholeStep:
+    """One optimizer step of `engine`'s model, compiled whole. The engine's units keep the state (the
+    shards, the fp32 masters, the moments); the step's graphs update them in place."""
+
+    backend = "inductor"  # tests trace with "aot_eager": the same graphs, partitioned, without codegen
+
+    def __init__(self, engine):
+        why = refusal(engine.offload is not None, engine.replicas is not None, engine.gathering.secondary is not None,
+                      engine.optimizer.loss_scaler is not None, engine.checkpointing.on,
+                      engine.reduce_dtype != engine.units[0].params.dtype)
+        if why:
+            raise ValueError(why)
+        self.engine, self.stage = engine, engine.stage
+        group = engine.comm.group if engine.comm.group is not None else dist.group.WORLD
+        self.group_name, self.world = group.group_name, engine.comm.world_size
+        self.passes = CollectivePass(engine.overlap.bucket_bytes)
+        options = {"post_grad_custom_post_pass": self.passes, "reorder_for_compute_comm_overlap": False}
+        compiled = functools.partial(torch.compile, backend=self.backend, dynamic=False,
+                                     **({"options": options} if self.backend == "inductor" else {}))
+        # the leaves gradients arrive at: the shard (stages 2-3), the whole weights (stages 0-1)
+        self.leaves = {u.name: (torch.zeros_like(u.master, dtype=u.params.dtype) if self.stage.shard_grads
+                                and not self.stage.shard_params else u.params.detach()).requires_grad_()
+                       for u in engine.units}
+        for unit in engine.gathering.blocks:
+            unit.module.forward = self._block_forward(unit, unit.module.forward)
+        self._loss = compiled(self._loss_eager)
+        self._reduce = compiled(self._reduce_eager)
+        self._apply = compiled(self._apply_eager)
+
+    # ---- forward and backward ------------------------------------------------------------------------
+    def _whole_weights(self, unit) -> dict[str, torch.Tensor]:
+        """The unit's parameters, whole, as this stage brings them in (see the module's docstring)."""
+        leaf = self.leaves[unit.name]
+        if self.stage.shard_params:
+            whole = checkpoint(funcol.all_gather_tensor_autograd, leaf, 0, self.group_name, use_reentrant=False,
+                               preserve_rng_state=False,
+                               context_fn=functools.partial(create_selective_checkpoint_contexts, _recompute_gathers))
+        elif self.stage.shard_grads:
+            whole = _ReduceScatteredGradient.apply(leaf, unit.params, self.group_name)
+        else:
+            whole = leaf
+        # slices, not one split: a split's views are outputs of one multi-output op, which dynamo refuses to
+        # hand to an autograd Function that returns its input (the tied embedding)
+        return {s.name: whole[s.offset:s.offset + s.numel].view(s.shape) for s in unit.layout.slots}
+
+    def _block_forward(self, unit, forward):
+        cut = len(unit.name) + 1
+
+        @functools.wraps(forward)
+        def run(*args, **kwargs):
+            with _reparametrize_module(unit.module, {k[cut:]: v for k, v in self._whole_weights(unit).items()}):
+                return forward(*args, **kwargs)
+        return run
+
+    def _loss_eager(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        from zerofunc.step import loss_of
+        root = self.engine._root
+        views = self._whole_weights(root) if root is not None else {}
+        return loss_of(functional_call(self.engine.model, views, args, kwargs, strict=False)).float()
+
+    def loss(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        """The model's loss on one micro-batch, through the compiled forward (also for evaluation)."""
+        return self._loss(tuple(args), dict(kwargs))
+
+    # ---- the step ---------------------------------------------------------------------------------------
+    def __call__(self, micro_batches: Sequence, num_items: Optional[torch.Tensor]) -> torch.Tensor:
+        """Forward and backward of each micro-batch, then the update; the mean of the micro-batches' losses."""
+        from zerofunc.step import MicroBatch  # noqa: F401  (the shape of a micro-batch: see zerofunc.step)
+        extra = {} if num_items is None else {"num_items_in_batch": num_items}
+        total = None
+        for batch in micro_batches:
+            args, kwargs = ((), {**batch, **extra}) if isinstance(batch, dict) else (tuple(batch), extra)
+            loss = self._loss(args, kwargs)
+            (loss / len(micro_batches)).backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        self._update()
+        return total / len(micro_batches)
+
+    def _update(self) -> None:
+        opt = self.engine.optimizer
+        units = self.engine.units
+        grads = [self.leaves[u.name].grad for u in units]
+        for leaf in self.leaves.values():
+            leaf.grad = None
+        grads, norm = self._reduce(grads)
+        opt.grad_norm = norm = float(norm)
+        if not math.isfinite(norm):
+            opt.nonfinite_steps += 1
+            return
+        opt.step_count += 1
+        lr = opt.lr_schedule(opt.step_count) if opt.lr_schedule is not None else opt.optim.lr
+        factor = min(1.0, opt.clip / (norm + 1e-6)) if opt.clip else 1.0
+        device = units[0].params.device
+        self._apply(grads, *(torch.tensor(x, dtype=torch.float32, device=device)
+                             for x in (factor, lr, opt.step_count)))
+
+    def _reduce_eager(self, grads: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Each unit's gradient of this rank's shard (stages 1-3) or whole (stage 0), averaged over the
+        ranks; and their global norm."""
+        out, squares = [], []
+        for unit, g in zip(self.engine.units, grads):
+            if self.stage.shard_grads:  # summed by the reduce-scatters of backward
+                g = g / self.world
+            else:
+                g = funcol.all_reduce(g, "avg", self.group_name)
+                if self.stage.shard_optimizer:
+                    lo, hi = unit.layout.shard_range(self.engine.comm.rank)
+                    g = g[lo:hi]
+            out.append(g)
+            squares.append(torch.linalg.vector_norm(g, dtype=torch.float32).square())
+        total = torch.stack(squares).sum()
+        if self.stage.shard_optimizer:
+            total = funcol.all_reduce(total, "sum", self.group_name)
+        return out, total.sqrt()
+
+    def _apply_eager(self, grads: list[torch.Tensor], factor: torch.Tensor, lr: torch.Tensor,
+                     step: torch.Tensor) -> None:
+        """AdamW (as zerofunc.optim.adamw_, with the step a tensor) on each unit's fp32 shard; the weights
+        the forward uses then follow it."""
+        cfg = self.engine.optimizer.optim
+        beta1, beta2 = cfg.betas
+        with torch.no_grad():
+            for unit, g in zip(self.engine.units, grads):
+                g = g.float() * factor
+                unit.master.mul_(1 - lr * cfg.weight_decay)
+                unit.m.lerp_(g, 1 - beta1)
+                unit.v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                denom = (unit.v.sqrt() / torch.sqrt(1 - beta2 ** step)).add_(cfg.eps)
+                unit.master.sub_(unit.m / denom * (lr / (1 - beta1 ** step)))
+                if self.stage.shard_optimizer and not self.stage.shard_params:
+                    unit.params.copy_(funcol.all_gather_single(unit.master.to(unit.params.dtype), 0, self.group_name))
+                elif unit.master.data_ptr() != unit.params.data_ptr():
+                    unit.params.copy_(unit.master)
