@@ -58,6 +58,10 @@ IMPLS = {
     "zerofunc-1": ("zerofunc", 1, 1),
     "zerofunc-2": ("zerofunc", 2, 2),
     "zerofunc-3": ("zerofunc", 3, 3),
+    "zerofunc-whole-0": ("zerofunc-whole", 0, 0),  # --compile whole: the step compiled, collectives inside
+    "zerofunc-whole-1": ("zerofunc-whole", 1, 1),
+    "zerofunc-whole-2": ("zerofunc-whole", 2, 2),
+    "zerofunc-whole-3": ("zerofunc-whole", 3, 3),
     "deepspeed-0": ("deepspeed", 0, 0),
     "deepspeed-1": ("deepspeed", 1, 1),
     "deepspeed-2": ("deepspeed", 2, 2),
@@ -115,14 +119,18 @@ def run_rank(impl: str, model_name: str, steps: int, warmup: int, shard_group=No
     n_params = sum(p.numel() for p in model.parameters())
     engine = model  # what a probe inspects: zerofunc's or DeepSpeed's engine, else the module
 
-    if family == "zerofunc":
+    if family in ("zerofunc", "zerofunc-whole"):
         import zerofunc
+        from zerofunc.step import train_step as whole_step
         engine = zerofunc.initialize(model, {
             "train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1,
             "zero_optimization": {"stage": stage, **({"shard_group_size": shard_group} if shard_group else {})},
-            "optimizer": {"type": "AdamW", "params": {**OPT, "betas": list(OPT["betas"])}}})
+            "optimizer": {"type": "AdamW", "params": {**OPT, "betas": list(OPT["betas"])}}},
+            **({"compile": "whole"} if family == "zerofunc-whole" else {}))
 
         def train_step(x, y):
+            if engine.whole is not None:  # the first step compiles: a warm-up step
+                return whole_step(engine, [(x, y)])
             loss = engine(x, y)
             engine.backward(loss)
             engine.step()

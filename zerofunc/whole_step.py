@@ -31,12 +31,11 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.func import functional_call
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -85,9 +84,12 @@ class GraphCollectives:
     peak_gathered_bytes: int
 
 
-class CollectivePass(CustomGraphPass):
+class CollectivePass:
     """Inductor's post-grad pass for the step's graphs: buckets gathers and reduce-scatters up to
-    `bucket_bytes` (adjacent ones only, so every rank issues the same), then records the graph."""
+    `bucket_bytes` (adjacent ones only, so every rank issues the same), then records the graph.
+
+    A plain callable, not a CustomGraphPass: inductor then bypasses its graph caches for these graphs, so
+    the pass runs, and reads the graphs, on every compile (a cached graph would come back unread)."""
 
     def __init__(self, bucket_bytes: int):
         self.bucket_bytes = bucket_bytes
@@ -100,9 +102,6 @@ class CollectivePass(CustomGraphPass):
             bucket_all_gather(graph.owning_module, cap_mb)
             bucket_reduce_scatter(graph.owning_module, cap_mb)
         self.graphs.append(read_collectives(graph))
-
-    def uuid(self) -> Any:
-        return ("zerofunc.whole_step.CollectivePass", 1, self.bucket_bytes)
 
 
 def read_collectives(graph: torch.fx.Graph) -> GraphCollectives:
@@ -208,7 +207,6 @@ class WholeStep:
     # ---- the step ---------------------------------------------------------------------------------------
     def __call__(self, micro_batches: Sequence, num_items: Optional[torch.Tensor]) -> torch.Tensor:
         """Forward and backward of each micro-batch, then the update; the mean of the micro-batches' losses."""
-        from zerofunc.step import MicroBatch  # noqa: F401  (the shape of a micro-batch: see zerofunc.step)
         extra = {} if num_items is None else {"num_items_in_batch": num_items}
         total = None
         for batch in micro_batches:
