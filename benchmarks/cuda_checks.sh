@@ -14,6 +14,7 @@
 # PARTs, in the order they run by default (each fits the device tool's 10-minute call):
 #   env calibrate check-small pytest      (about 3 minutes on an H100)
 #   check-medium train adamw check-reduce (about 3 minutes on an H100, 2026-11-26)
+#   whole                                 (not yet run: --compile whole at stages 0 and 3, 1 GPU)
 #   snapshot                              (on demand: the allocator's blocks at two cells' peaks)
 # A part that fails is reported and the next one still runs; the exit code is the
 # number of failed parts.
@@ -64,6 +65,9 @@ torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory)
     pytest) run pytest $PY -m pytest -m cuda tests/test_cuda.py -q -rs ;;
     train) run train $PY -m train --model gpt2-small --nproc 1 --precision bf16 --steps 50 --out "$OUT/train-gpt2-small"
            run mfu $PY benchmarks/mfu.py "$OUT/train-gpt2-small/metrics.jsonl" --model gpt2-small --seq 128 ;;
+    whole) for stage in 0 3; do  # the step compiled whole (funcol on NCCL), beside train's compiled blocks
+             run "train-whole-s$stage" $PY -m train --model gpt2-small --nproc 1 --precision bf16 --steps 50 \
+               --stage "$stage" --compile whole --out "$OUT/train-whole-s$stage"; done ;;
     snapshot) for cell in "0 1" "3 64"; do set -- $cell
            run "snapshot-s$1-w$2" $PY benchmarks/cuda_memory_snapshot.py --model gpt2-small --stage "$1" --world-size "$2"; done ;;
     adamw) run adamw-fp32 $PY benchmarks/fused_adamw.py
@@ -73,7 +77,7 @@ torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory)
 }
 
 parts=("$@")
-[ ${#parts[@]} -gt 0 ] || parts=(env calibrate check-small pytest check-medium train adamw check-reduce)
+[ ${#parts[@]} -gt 0 ] || parts=(env calibrate check-small pytest check-medium train adamw check-reduce whole)
 for p in "${parts[@]}"; do
   LIMIT=0; name=$p
   if [[ $p == *:* ]]; then name=${p%%:*}; LIMIT=${p#*:}; fi

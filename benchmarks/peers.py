@@ -240,7 +240,7 @@ def _fmt_mib(b) -> str:
 
 
 def print_table(rows: list[dict], model_name: str, steps: int, warmup: int) -> None:
-    zf = {r["stage"]: r for r in rows if r["impl"].startswith("zerofunc-") and r["status"] == "ok"}
+    zf = {r["stage"]: r for r in rows if IMPLS[r["impl"]][0] == "zerofunc" and r["status"] == "ok"}  # the eager step
     n = next((r["n_params"] for r in rows if r.get("n_params")), None)
     runs = max(r["runs"] for r in rows)
     print(f"model {model_name} ({n:,} parameters), {WORLD} gloo ranks, seq {SEQ}, micro-batch {MICRO_BATCH}/rank, "

@@ -29,6 +29,7 @@ activation checkpointing, an fp32 reduction of 16-bit gradients) are refused in 
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -52,6 +53,17 @@ def refusal(offload: bool, hybrid: bool, hpz: bool, fp16: bool, checkpointing: b
               reduce_upcast}
     named = [name for name, on in levers.items() if on]
     return f"--compile whole does not support {', '.join(named)} yet: use --compile blocks" if named else None
+
+
+class _KnownCheckpointWarning(logging.Filter):
+    """torch warns that a checkpointed region with a context_fn must hold no in-place op: stage 3's region
+    holds one gather, nothing in place, so every rank's log need not say it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "context_fn is passed to torch.utils.checkpoint" not in record.getMessage()
+
+
+logging.getLogger("torch._higher_order_ops.wrap").addFilter(_KnownCheckpointWarning())
 
 
 def _recompute_gathers(ctx, func, *args, **kwargs):
@@ -140,6 +152,14 @@ def _last_alias_use(node: torch.fx.Node, where: dict) -> int:
     return last
 
 
+def _span_in(master: torch.Tensor, params: torch.Tensor) -> Optional[tuple[int, int]]:
+    """Where the fp32 master lies inside the weights' buffer, when it is a slice of it (fp32, not offloaded)."""
+    if master.dtype != params.dtype or master.untyped_storage().data_ptr() != params.untyped_storage().data_ptr():
+        return None
+    lo = master.storage_offset() - params.storage_offset()
+    return lo, lo + master.numel()
+
+
 class WholeStep:
     """One optimizer step of `engine`'s model, compiled whole. The engine's units keep the state (the
     shards, the fp32 masters, the moments); the step's graphs update them in place."""
@@ -163,6 +183,7 @@ class WholeStep:
         self.leaves = {u.name: (torch.zeros_like(u.master, dtype=u.params.dtype) if self.stage.shard_grads
                                 and not self.stage.shard_params else u.params.detach()).requires_grad_()
                        for u in engine.units}
+        self._master_spans = [_span_in(u.master, u.params) for u in engine.units]
         for unit in engine.gathering.blocks:
             unit.module.forward = self._block_forward(unit, unit.module.forward)
         self._loss = compiled(self._loss_eager)
@@ -261,14 +282,17 @@ class WholeStep:
         cfg = self.engine.optimizer.optim
         beta1, beta2 = cfg.betas
         with torch.no_grad():
-            for unit, g in zip(self.engine.units, grads):
+            for unit, span, g in zip(self.engine.units, self._master_spans, grads):
+                # an fp32 master is a slice of the weights: taken here, so that the graph's input is the weights
+                # alone (two aliasing inputs, one written, would be copied whole on every step)
+                master = unit.params[span[0]:span[1]] if span is not None else unit.master
                 g = g.float() * factor
-                unit.master.mul_(1 - lr * cfg.weight_decay)
+                master.mul_(1 - lr * cfg.weight_decay)
                 unit.m.lerp_(g, 1 - beta1)
                 unit.v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
                 denom = (unit.v.sqrt() / torch.sqrt(1 - beta2 ** step)).add_(cfg.eps)
-                unit.master.sub_(unit.m / denom * (lr / (1 - beta1 ** step)))
+                master.sub_(unit.m / denom * (lr / (1 - beta1 ** step)))
                 if self.stage.shard_optimizer and not self.stage.shard_params:
-                    unit.params.copy_(funcol.all_gather_single(unit.master.to(unit.params.dtype), 0, self.group_name))
-                elif unit.master.data_ptr() != unit.params.data_ptr():
-                    unit.params.copy_(unit.master)
+                    unit.params.copy_(funcol.all_gather_single(master.to(unit.params.dtype), 0, self.group_name))
+                elif span is None:  # 16-bit weights: the master's new rounding
+                    unit.params.copy_(master)
