@@ -41,6 +41,7 @@ from torch.func import functional_call
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # torch 2.13 renamed it
 _GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 
@@ -108,11 +109,12 @@ class CollectivePass:
         self.graphs: list[GraphCollectives] = []
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        from torch._inductor.fx_passes.bucketing import bucket_all_gather, bucket_reduce_scatter
+        from torch._inductor.fx_passes import bucketing
         cap_mb = lambda _bucket: self.bucket_bytes / 2**20  # noqa: E731
         if self.bucket_bytes:
-            bucket_all_gather(graph.owning_module, cap_mb)
-            bucket_reduce_scatter(graph.owning_module, cap_mb)
+            bucketing.bucket_all_gather(graph.owning_module, cap_mb)
+            if hasattr(bucketing, "bucket_reduce_scatter"):  # not in every torch this runs on
+                bucketing.bucket_reduce_scatter(graph.owning_module, cap_mb)
         self.graphs.append(read_collectives(graph))
 
 
@@ -293,6 +295,6 @@ class WholeStep:
                 denom = (unit.v.sqrt() / torch.sqrt(1 - beta2 ** step)).add_(cfg.eps)
                 master.sub_(unit.m / denom * (lr / (1 - beta1 ** step)))
                 if self.stage.shard_optimizer and not self.stage.shard_params:
-                    unit.params.copy_(funcol.all_gather_single(master.to(unit.params.dtype), 0, self.group_name))
+                    unit.params.copy_(_all_gather(master.to(unit.params.dtype), 0, self.group_name))
                 elif span is None:  # 16-bit weights: the master's new rounding
                     unit.params.copy_(master)

@@ -48,8 +48,8 @@ PLANTS: list[Plant] = [
           "compiled whole train with N times the gradient",
           "issue 31", ("tests/test_whole_step.py::test_the_whole_step_trains_like_eager",)),
     Plant("whole_step_bucket_cap_ignored", "zerofunc/whole_step.py",
-          "            bucket_all_gather(graph.owning_module, cap_mb)\n",
-          "            bucket_all_gather(graph.owning_module)\n",
+          "            bucketing.bucket_all_gather(graph.owning_module, cap_mb)\n",
+          "            bucketing.bucket_all_gather(graph.owning_module)\n",
           "the compiled step buckets gathers at inductor's default cap (2000 MB): stage 3 gathers the whole model "
           "at once, undoing ZeRO-3's memory",
           "issue 31", ("tests/test_whole_step.py::test_compiled_stage_3_keeps_one_gathered_block",)),
