@@ -10,7 +10,8 @@ How each stage brings a unit's weights into its block, and takes its gradient ou
   recomputes it instead of saving it (SimpleFSDP's, torchtitan): backward gathers each block again just
   before its own backward, and no gathered block lives from forward to backward.
 - stage 2: the whole weights every rank keeps, through an identity whose backward is the reduce-scatter.
-- stages 0-1: the whole weights, their gradient kept whole and all-reduced at the accumulation boundary.
+- stages 0-1: the whole weights, their gradient kept whole until the accumulation boundary, then
+  all-reduced (stage 0) or reduce-scattered (stage 1) in the update's graph.
 
 The update is two graphs around one host read, as the eager optimizer's: the reduced gradients and their
 global norm (a non-finite norm skips the step, as eager's does), then clipping, AdamW on this rank's fp32
@@ -21,7 +22,7 @@ The compiler's collective passes are this module's decisions too (`CollectivePas
 bucketing would merge every gather of the model into one (its cap is 2000 MB) and so hold every block
 gathered at once; here gathers and reduce-scatters are bucketed up to the overlap bucket size, and the
 comm-reordering passes stay off. What the graphs then hold is read back from them
-(`CollectivePass.graphs`): tests/test_whole_step.py holds stage 3 to one gathered block at a time.
+(`CollectivePass.graphs`, zerofunc/compiled_graphs.py): tests/test_whole_step.py holds stage 3 to one gathered block at a time.
 
 Levers the eager step has and this one does not yet (offload, hpZ, hybrid sharding, fp16 loss scaling,
 activation checkpointing, an fp32 reduction of 16-bit gradients) are refused in one line.
@@ -31,7 +32,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -41,9 +41,9 @@ from torch.func import functional_call
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from zerofunc.compiled_graphs import GATHER, WAIT, CollectivePass
+
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # torch 2.13 renamed it
-_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 
 def refusal(offload: bool, hybrid: bool, hpz: bool, fp16: bool, checkpointing: bool, reduce_upcast: bool) -> Optional[str]:
@@ -69,7 +69,7 @@ logging.getLogger("torch._higher_order_ops.wrap").addFilter(_KnownCheckpointWarn
 
 def _recompute_gathers(ctx, func, *args, **kwargs):
     """Stage 3's policy: a gathered weight is gathered again in backward, never kept for it."""
-    return CheckpointPolicy.MUST_RECOMPUTE if func in (_GATHER, _WAIT) else CheckpointPolicy.PREFER_SAVE
+    return CheckpointPolicy.MUST_RECOMPUTE if func in (GATHER, WAIT) else CheckpointPolicy.PREFER_SAVE
 
 
 class _ReduceScatteredGradient(torch.autograd.Function):
@@ -86,72 +86,6 @@ class _ReduceScatteredGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return funcol.reduce_scatter_tensor(grad, "sum", 0, ctx.group_name), None, None
-
-
-@dataclass
-class GraphCollectives:
-    """What one compiled graph holds, read after the collective passes: its collectives in graph order
-    (op name, bytes out), and the most bytes of gathered weights alive at any of its nodes."""
-
-    collectives: list[tuple[str, int]]
-    peak_gathered_bytes: int
-
-
-class CollectivePass:
-    """Inductor's post-grad pass for the step's graphs: buckets gathers and reduce-scatters up to
-    `bucket_bytes` (adjacent ones only, so every rank issues the same), then records the graph.
-
-    A plain callable, not a CustomGraphPass: inductor then bypasses its graph caches for these graphs, so
-    the pass runs, and reads the graphs, on every compile (a cached graph would come back unread)."""
-
-    def __init__(self, bucket_bytes: int):
-        self.bucket_bytes = bucket_bytes
-        self.graphs: list[GraphCollectives] = []
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        from torch._inductor.fx_passes import bucketing
-        cap_mb = lambda _bucket: self.bucket_bytes / 2**20  # noqa: E731
-        if self.bucket_bytes:
-            bucketing.bucket_all_gather(graph.owning_module, cap_mb)
-            if hasattr(bucketing, "bucket_reduce_scatter"):  # not in every torch this runs on
-                bucketing.bucket_reduce_scatter(graph.owning_module, cap_mb)
-        self.graphs.append(read_collectives(graph))
-
-
-def read_collectives(graph: torch.fx.Graph) -> GraphCollectives:
-    """The collectives of `graph`, and the most bytes of all-gather output alive at once: each output lives
-    from its gather to the last use of anything that aliases it (its wait, views, slices, a bucket's split;
-    for a bucket gathered into a buffer, `out=`, that buffer's uses too)."""
-    nodes = list(graph.nodes)
-    where = {n: i for i, n in enumerate(nodes)}
-    collectives, spans = [], []
-    for n in nodes:
-        name = getattr(n.target, "__name__", str(n.target))
-        if n.op != "call_function" or "_c10d_functional" not in str(n.target) or "wait" in name:
-            continue
-        val = n.meta.get("val")
-        outs = val if isinstance(val, (list, tuple)) else [val]
-        nbytes = sum(t.numel() * t.element_size() for t in outs if isinstance(t, torch.Tensor))
-        collectives.append((name.split(".")[0], nbytes))
-        if "all_gather" in name:
-            heads = [n] + [a for a in [n.kwargs.get("out")] if isinstance(a, torch.fx.Node)]
-            spans.append((where[n], max(_last_alias_use(h, where) for h in heads), nbytes))
-    peak = max((sum(b for lo, hi, b in spans if lo <= i <= hi) for i in range(len(nodes))), default=0)
-    return GraphCollectives(collectives, peak)
-
-
-def _last_alias_use(node: torch.fx.Node, where: dict) -> int:
-    last, stack, seen = where[node], [node], {node}
-    while stack:
-        for user in stack.pop().users:
-            last = max(last, where[user])
-            name = str(user.target)
-            aliases = user.target is _WAIT or any(k in name for k in ("getitem", "view", "split", "slice",
-                                                                        "as_strided", "reinterpret", "alias"))
-            if aliases and user not in seen:
-                seen.add(user)
-                stack.append(user)
-    return last
 
 
 def _span_in(master: torch.Tensor, params: torch.Tensor) -> Optional[tuple[int, int]]:
@@ -181,7 +115,8 @@ class WholeStep:
         options = {"post_grad_custom_post_pass": self.passes, "reorder_for_compute_comm_overlap": False}
         compiled = functools.partial(torch.compile, backend=self.backend, dynamic=False,
                                      **({"options": options} if self.backend == "inductor" else {}))
-        # the leaves gradients arrive at: the shard (stages 2-3), the whole weights (stages 0-1)
+        # the leaves gradients arrive at: the shard (stages 2-3; at stage 2 a placeholder of the shard's size,
+        # since the weights the forward uses are the whole ones), the whole weights (stages 0-1)
         self.leaves = {u.name: (torch.zeros_like(u.master, dtype=u.params.dtype) if self.stage.shard_grads
                                 and not self.stage.shard_params else u.params.detach()).requires_grad_()
                        for u in engine.units}
@@ -260,16 +195,14 @@ class WholeStep:
 
     def _reduce_eager(self, grads: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Each unit's gradient of this rank's shard (stages 1-3) or whole (stage 0), averaged over the
-        ranks; and their global norm."""
+        ranks; and their global norm. The sums are divided here, once, for every stage."""
         out, squares = [], []
         for unit, g in zip(self.engine.units, grads):
-            if self.stage.shard_grads:  # summed by the reduce-scatters of backward
-                g = g / self.world
-            else:
-                g = funcol.all_reduce(g, "avg", self.group_name)
-                if self.stage.shard_optimizer:
-                    lo, hi = unit.layout.shard_range(self.engine.comm.rank)
-                    g = g[lo:hi]
+            if self.stage.shard_optimizer and not self.stage.shard_grads:  # stage 1: at the boundary, as eager
+                g = funcol.reduce_scatter_tensor(g, "sum", 0, self.group_name)
+            elif not self.stage.shard_optimizer:  # stage 0
+                g = funcol.all_reduce(g, "sum", self.group_name)
+            g = g / self.world  # summed: here, or by backward's reduce-scatters (stages 2-3)
             out.append(g)
             squares.append(torch.linalg.vector_norm(g, dtype=torch.float32).square())
         total = torch.stack(squares).sum()
