@@ -179,6 +179,10 @@ class WholeStep:
         opt = self.engine.optimizer
         units = self.engine.units
         grads = [self.leaves[u.name].grad for u in units]
+        missing = [u.name or "<root>" for u, g in zip(units, grads) if g is None]
+        if missing:
+            raise RuntimeError(f"no gradient reached unit(s) {', '.join(missing)}: the compiled forward did not use "
+                               "their weights")
         for leaf in self.leaves.values():
             leaf.grad = None
         grads, norm = self._reduce(grads)
