@@ -20,7 +20,7 @@ from train.flags import DEFAULTS, flag_defaults, overrides, parser
 from train.lock import LockError, RunLock
 from train.loop import TrainArgs, train_rank
 from zerofunc.config import (MAX_BUCKET_MB, MAX_COMM_TIMEOUT_S, MAX_MICRO_BATCH_TOKENS, MAX_PREFETCH_DEPTH,
-                             MAX_RANKS_PER_CORE, MAX_SEED, ConfigError, as_dict, parse as parse_config,
+                             MAX_RANKS_PER_CORE, MAX_SEED, ConfigError, as_dict, compile_mode, parse as parse_config,
                              read as read_config)
 from zerofunc.launch import (RankError, comm_failure_line, default_backend, init_torchrun, is_comm_failure, spawn,
                              under_torchrun)
@@ -111,7 +111,7 @@ def parse(argv: list[str] | None) -> TrainArgs:
         if getattr(a, flag) < (0 if flag == "eval_every" else 1):
             raise UsageError(f"--{flag.replace('_', '-')} must be at least {0 if flag == 'eval_every' else 1}, "
                              f"got {getattr(a, flag)}")
-    compile = _compile_mode(a.compile, config, device)
+    compile = compile_mode(a.compile, config.compile, device)
     why = compile == "whole" and whole_step.refusal(
         config.offload_optimizer, config.shard_group is not None and config.stage > 0, config.hpz is not None,
         config.precision == "fp16", config.checkpointing.on,
@@ -129,12 +129,6 @@ def parse(argv: list[str] | None) -> TrainArgs:
                      a.save_every, a.resume, a.plot, compile,
                      a.on_nonfinite, a.on_save_error, config.comm_timeout, a.init_from, a.eval_every,
                      a.eval_batches, a.tensorboard)
-
-
-def _compile_mode(flag: bool | str | None, config, device: str) -> bool | str:
-    """--compile, else the config's `compile` key, else blocks on CUDA and nothing on CPU."""
-    chosen = flag if flag is not None else config.compile
-    return ("blocks" if device == "cuda" else False) if chosen is None else chosen
 
 
 def _model_spec(a: argparse.Namespace) -> str:

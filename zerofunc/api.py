@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zerofunc.comm import Communicator, DistCommunicator, hybrid_communicators, secondary_communicator
-from zerofunc.config import Config, parse
+from zerofunc.config import Config, compile_mode, parse
 from zerofunc.engine import ZeroEngine
 from zerofunc.stages import get_stage
 from zerofunc.units import InitFn
@@ -68,7 +68,7 @@ def initialize(model: nn.Module, config: dict | str | Path | Config, *, device: 
     engine = ZeroEngine(model, get_stage(cfg.stage), comm, cfg.optimizer, device, init,
                         unit_names if unit_names is not None else default_units(model), precision=cfg.precision,
                         memory=memory, grad_accum=cfg.grad_accum, clip=cfg.clip, loss_scaler=cfg.loss_scaler(),
-                        overlap=cfg.overlap, compile=_compile_mode(compile, cfg, device),
+                        overlap=cfg.overlap, compile=compile_mode(compile, cfg.compile, torch.device(device).type),
                         checkpointing=cfg.checkpointing, offload_optimizer=cfg.offload_optimizer, replicas=replicas,
                         secondary=secondary if cfg.hpz is not None else None, reduce_dtype=cfg.reduce_dtype)
     engine.optimizer.lr_schedule = cfg.lr
@@ -76,13 +76,6 @@ def initialize(model: nn.Module, config: dict | str | Path | Config, *, device: 
     if real:
         _release_module_weights(model)
     return engine
-
-
-def _compile_mode(given: Optional[bool | str], cfg: Config, device) -> bool | str:
-    chosen = given if given is not None else cfg.compile
-    if chosen is None:
-        return "blocks" if torch.device(device).type == "cuda" else False
-    return "blocks" if chosen is True else chosen
 
 
 def default_units(model: nn.Module) -> list[str]:

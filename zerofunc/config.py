@@ -40,6 +40,18 @@ MAX_BUCKET_MB = 2**20           # --bucket-mb: a TiB of gradient reductions in f
 MAX_SEED = 2**22                # --seed: a sample's id is seed << 40 plus its row of the run, in 64 bits
 
 
+COMPILE_MODES = (False, True, "blocks", "whole")  # True is "blocks"
+
+
+def compile_mode(given: bool | str | None, configured: bool | str | None, device_type: str) -> bool | str:
+    """What to compile: the caller's choice (a flag, an argument), else the config's `compile` key, else
+    each block on CUDA and nothing on CPU (where inductor emits C++ and a first compile outlasts a short run)."""
+    chosen = given if given is not None else configured
+    if chosen is None:
+        return "blocks" if device_type == "cuda" else False
+    return "blocks" if chosen is True else chosen
+
+
 @dataclass(frozen=True)
 class Config:
     stage: int = 0
@@ -140,7 +152,7 @@ def parse(source: dict | str | Path, world_size: int) -> Config:
         except ValueError as e:
             raise ConfigError(f"communication_data_type: {e}") from None
     compile = raw.get("compile")
-    if compile not in (None, False, True, "blocks", "whole"):
+    if compile is not None and compile not in COMPILE_MODES:
         raise ConfigError(f'compile must be false, true ("blocks": each block compiled) or "whole" (the step compiled '
                           f'whole), got {json.dumps(compile)}')
     mb, gas, tbs = _batch_triple(raw, world_size)

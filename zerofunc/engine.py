@@ -27,15 +27,15 @@ The same code runs on meta tensors with a `RecordingCommunicator` to simulate a 
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Optional
 
 import torch
 import torch.nn as nn
 from torch.func import functional_call
 
-from zerofunc.binding import bind
+from zerofunc.block_hooks import BlockHooks
 from zerofunc.comm import Communicator
+from zerofunc.config import COMPILE_MODES
 from zerofunc.engine_state import WholeState
 from zerofunc.gather import UnitGathering
 from zerofunc.lm_head import LinearCrossEntropy
@@ -53,7 +53,7 @@ from zerofunc.units import PRECISIONS, InitFn, Unit, check_reduce_dtype, materia
 from zerofunc.whole_step import WholeStep
 
 
-class ZeroEngine(WholeState):
+class ZeroEngine(BlockHooks, WholeState):
     """Trains `model` with ZeRO `stage` over `comm`'s ranks.
 
     `model` may live on the meta device: only the shapes of its parameters are used.
@@ -89,7 +89,7 @@ class ZeroEngine(WholeState):
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         check_reduce_dtype(reduce_dtype, precision)
         self.reduce_dtype = PRECISIONS[reduce_dtype or precision]
-        if compile not in (False, True, "blocks", "whole"):
+        if compile not in COMPILE_MODES:
             raise ValueError(f"compile must be False, True (\"blocks\") or \"whole\", got {compile!r}")
         if grad_accum < 1 or clip < 0:
             raise ValueError(f"need grad_accum >= 1 and clip >= 0, got {grad_accum} and {clip}")
@@ -178,77 +178,6 @@ class ZeroEngine(WholeState):
         if self._root is not None:
             self.gathering.release(self._root, after_forward=True)
         return out
-
-    def _abandon_forward(self) -> None:
-        """A forward that raised skipped its blocks' forward hooks: give the model its own parameters
-        back and free what stage 3 gathered, so that the next call starts as after a finished step."""
-        for unit in self.gathering.blocks:
-            if unit.bound is not None:
-                bind(self.model, unit.bound)
-                unit.bound = None
-        for unit in self.units:
-            self.gathering.release(unit)
-
-    def _unseen_by_the_tape(self, forward):
-        """A block runs as one operation of the tape's: its arguments are taken, its results tagged, and
-        its inside is not watched. Watching costs the tape's Python on every torch call, which on a GPU
-        step too small to hide it doubled the step (docs/CUDA.md); and dynamo does not trace a mode.
-        Whether the block reads earlier tensors only through its arguments is checked on its first
-        forward: what a model's code reads does not change from step to step."""
-        checked = False
-
-        @functools.wraps(forward)
-        def run(*args, **kwargs):
-            nonlocal checked
-            if self._tape is None:
-                return forward(*args, **kwargs)
-            out = self._tape.unseen(forward, args, kwargs, check_reads=not checked)
-            checked = True
-            return out
-        return run
-
-    def _unit_views(self, unit: Unit) -> dict[str, torch.Tensor]:
-        return unit.layout.views(unit.weights)
-
-    def _gather_and_bind(self, unit: Unit):
-        def hook(module, args):
-            if self._tape is not None:
-                self._tape.open(unit.name)
-            with self._engine_work():
-                self.gathering.gather(unit, "params.fwd")
-                self.gathering.prefetch(unit, +1, "params.fwd")
-                unit.bound = bind(self.model, self._unit_views(unit))
-        return hook
-
-    def _unbind_and_release(self, unit: Unit):
-        def hook(module, args, out):
-            if self._tape is not None:
-                self._tape.open(None)  # what follows the block (the next block's input, a head) is its own segment
-            with self._engine_work():
-                bind(self.model, unit.bound)
-                unit.bound = None
-                self.gathering.release(unit, after_forward=True)
-        return hook
-
-    def _engine_work(self):
-        """The hooks' gathers and bindings are the engine's, not the model's: the tape does not watch them."""
-        return self._tape.paused() if self._tape is not None else contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def _recomputing(self, unit: Unit):
-        """Backward recomputes a checkpointed block: gather it again (stage 3) and bind its views for
-        the recomputation. It stays gathered for the block's backward, which follows and releases
-        it: one gather serves both (as DeepSpeed's stage3_max_reuse_distance arranges), so stage 3
-        gathers each block twice per step with checkpointing as without."""
-        self.memory.mark("recompute")
-        self.gathering.regather(unit)
-        unit.bound = bind(self.model, self._unit_views(unit))
-        try:
-            yield
-        finally:
-            bind(self.model, unit.bound)
-            unit.bound = None
-            self.memory.mark("backward")
 
     # ---- backward ----------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:

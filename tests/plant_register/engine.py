@@ -1,7 +1,7 @@
 """The plant register: the engine: the review's plants (issue 30), equivalence, collectives, the levers."""
 from __future__ import annotations
 
-from tests.plant_register.common import Plant, ENG, RED, OPT, COMM, CKPT, HYBRID_REPLICAS, EQ1, EQ2, HYBRID2, SKIP_RESUME, FAST
+from tests.plant_register.common import Plant, ENG, HOOKS, RED, OPT, COMM, CKPT, HYBRID_REPLICAS, EQ1, EQ2, HYBRID2, SKIP_RESUME, FAST
 
 PLANTS: list[Plant] = [
     # -- the review's plants (issue 30): caught by the tests issue 30 adds (tests/steps.py, test_hybrid, test_faults)
@@ -63,7 +63,7 @@ PLANTS: list[Plant] = [
           "boundary = self.micro_step + 1 == self.grad_accum", "boundary = True",
           "with accumulation, stages 0-1 communicate every micro-step: K times the traffic",
           "issue 2 note", ("tests/test_ledger.py", *FAST)),
-    Plant("stage3_blocks_kept_after_forward", ENG,
+    Plant("stage3_blocks_kept_after_forward", HOOKS,
           "                unit.bound = None\n                self.gathering.release(unit, after_forward=True)\n",
           "                unit.bound = None\n",
           "stage 3 never frees a block after its forward: the whole model ends up gathered",
@@ -104,13 +104,13 @@ PLANTS: list[Plant] = [
           "            if grad_scale != 1.0:\n                grad.mul_(grad_scale)\n", "",
           "with optimizer offload the clip coefficient and 1/loss scale are never applied",
           "issue 11 note", ("tests/test_levers.py", *FAST)),
-    Plant("recomputed_weights_perturbed", ENG,
+    Plant("recomputed_weights_perturbed", HOOKS,
           "        self.gathering.regather(unit)\n        unit.bound = bind(self.model, self._unit_views(unit))\n",
           "        self.gathering.regather(unit)\n"
           "        unit.bound = bind(self.model, {k: v * 1.001 for k, v in self._unit_views(unit).items()})\n",
           "activation checkpointing recomputes a block with other weights than its forward used",
           "issue 11 note", ("tests/test_equivalence.py", *FAST)),
-    Plant("recompute_gathers_twice", ENG,
+    Plant("recompute_gathers_twice", HOOKS,
           "        self.gathering.regather(unit)\n        unit.bound = bind(self.model, self._unit_views(unit))\n",
           "        self.gathering.regather(unit)\n        self.gathering.release(unit)\n        self.gathering.regather(unit)\n"
           "        unit.bound = bind(self.model, self._unit_views(unit))\n",

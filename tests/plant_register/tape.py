@@ -13,7 +13,7 @@ PLANTS: list[Plant] = [
           "        segments = self._segments_behind(node, {})\n", "        segments = set()\n",
           "a custom autograd Function's output is taken as the current segment's: its graph joins an earlier one's",
           "issue 31", ("tests/test_tape.py",)),
-    Plant("compiled_block_regathered_before_the_head", "zerofunc/engine.py",
+    Plant("compiled_block_regathered_before_the_head", "zerofunc/block_hooks.py",
           "            if self._tape is not None:\n                self._tape.open(None)  #",
           "            if False:\n                self._tape.open(None)  #",
           "the head's backward shares the last block's segment: a compiled stage-3 block is regathered before the "
@@ -42,15 +42,4 @@ PLANTS: list[Plant] = [
           "a tensor a block keeps (made from its input leaf, unwatched) is taken as a weight's: its gradient to the "
           "block's input is silently dropped",
           "issue 31", ("tests/test_tape.py",)),
-    Plant("whole_step_sum_not_averaged", "zerofunc/whole_step.py",
-          "            g = g / self.world  #", "            g = g  #",
-          "the compiled step's collectives sum the ranks' gradients and nothing divides the sum: every stage "
-          "compiled whole trains with N times the gradient",
-          "issue 31", ("tests/test_whole_step.py::test_the_whole_step_trains_like_eager",)),
-    Plant("whole_step_bucket_cap_ignored", "zerofunc/compiled_graphs.py",
-          "            bucketing.bucket_all_gather(graph.owning_module, cap_mb)\n",
-          "            bucketing.bucket_all_gather(graph.owning_module)\n",
-          "the compiled step buckets gathers at inductor's default cap (2000 MB): stage 3 gathers the whole model "
-          "at once, undoing ZeRO-3's memory",
-          "issue 31", ("tests/test_whole_step.py::test_compiled_stage_3_keeps_one_gathered_block",)),
 ]

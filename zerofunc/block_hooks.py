@@ -1,0 +1,92 @@
+"""How the model's own forward tells the engine where a block starts and ends: the hooks ZeroEngine puts on
+each block (stage 3's gather and release, binding the block's views, cutting the tape there) and the
+wrapper that runs a block unwatched by the tape. The adapter item 2 of issue 31 leaves: any nn.Module's
+forward drives the order of its blocks, so the engine learns of each block from the block's own call.
+
+A mixin of ZeroEngine's, as engine_state.WholeState is: it uses the engine's `model`, `gathering`,
+`memory` and `_tape`.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+from zerofunc.binding import bind
+from zerofunc.units import Unit
+
+
+class BlockHooks:
+    """ZeroEngine's block hooks (see the module's docstring)."""
+
+    def _abandon_forward(self) -> None:
+        """A forward that raised skipped its blocks' forward hooks: give the model its own parameters
+        back and free what stage 3 gathered, so that the next call starts as after a finished step."""
+        for unit in self.gathering.blocks:
+            if unit.bound is not None:
+                bind(self.model, unit.bound)
+                unit.bound = None
+        for unit in self.units:
+            self.gathering.release(unit)
+
+    def _unseen_by_the_tape(self, forward):
+        """A block runs as one operation of the tape's: its arguments are taken, its results tagged, and
+        its inside is not watched. Watching costs the tape's Python on every torch call, which on a GPU
+        step too small to hide it doubled the step (docs/CUDA.md); and dynamo does not trace a mode.
+        Whether the block reads earlier tensors only through its arguments is checked on its first
+        forward: what a model's code reads does not change from step to step."""
+        checked = False
+
+        @functools.wraps(forward)
+        def run(*args, **kwargs):
+            nonlocal checked
+            if self._tape is None:
+                return forward(*args, **kwargs)
+            out = self._tape.unseen(forward, args, kwargs, check_reads=not checked)
+            checked = True
+            return out
+        return run
+
+    def _unit_views(self, unit: Unit) -> dict[str, torch.Tensor]:
+        return unit.layout.views(unit.weights)
+
+    def _gather_and_bind(self, unit: Unit):
+        def hook(module, args):
+            if self._tape is not None:
+                self._tape.open(unit.name)
+            with self._engine_work():
+                self.gathering.gather(unit, "params.fwd")
+                self.gathering.prefetch(unit, +1, "params.fwd")
+                unit.bound = bind(self.model, self._unit_views(unit))
+        return hook
+
+    def _unbind_and_release(self, unit: Unit):
+        def hook(module, args, out):
+            if self._tape is not None:
+                self._tape.open(None)  # what follows the block (the next block's input, a head) is its own segment
+            with self._engine_work():
+                bind(self.model, unit.bound)
+                unit.bound = None
+                self.gathering.release(unit, after_forward=True)
+        return hook
+
+    def _engine_work(self):
+        """The hooks' gathers and bindings are the engine's, not the model's: the tape does not watch them."""
+        return self._tape.paused() if self._tape is not None else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _recomputing(self, unit: Unit):
+        """Backward recomputes a checkpointed block: gather it again (stage 3) and bind its views for
+        the recomputation. It stays gathered for the block's backward, which follows and releases
+        it: one gather serves both (as DeepSpeed's stage3_max_reuse_distance arranges), so stage 3
+        gathers each block twice per step with checkpointing as without."""
+        self.memory.mark("recompute")
+        self.gathering.regather(unit)
+        unit.bound = bind(self.model, self._unit_views(unit))
+        try:
+            yield
+        finally:
+            bind(self.model, unit.bound)
+            unit.bound = None
+            self.memory.mark("backward")
