@@ -7,6 +7,8 @@ from the graphs inductor compiles (after the step's bucketing pass).
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -26,8 +28,11 @@ STEPS, ACCUM, CLIP = 3, 2, 0.05  # a clip below the gradients' norm, so every st
 def _train(stage: int, compile, overlap: Overlap = Overlap()):
     with torch.device("meta"):
         model = GPT(CFG)
-    engine = ZeroEngine(model, STAGES[stage], DistCommunicator(), OPTIM, init=lambda n, s: model.init_param(n, s, 0),
-                        compile=compile, grad_accum=ACCUM, clip=CLIP, overlap=overlap)
+    # link=None: the eager step issues each collective as the paper names it, as the compiled graphs do (on gloo
+    # it would issue a gather as broadcasts, by measured rates: zerofunc/comm.py)
+    engine = ZeroEngine(model, STAGES[stage], DistCommunicator(link=None), OPTIM,
+                        init=lambda n, s: model.init_param(n, s, 0), compile=compile, grad_accum=ACCUM, clip=CLIP,
+                        overlap=overlap)
     g = torch.Generator().manual_seed(engine.comm.rank)
     losses, norms = [], []
     for _ in range(STEPS):
@@ -47,36 +52,56 @@ def _compare_stages():
         ep, wp = eager.full_parameters(), whole.full_parameters()
         rel = lambda a, b: max(abs(x - y) / abs(x) for x, y in zip(a, b))  # noqa: E731
         assert min(eager_norms) > CLIP, f"stage {stage}: a step was not clipped ({eager_norms})"
+        sent = lambda e: Counter((x.op, x.dtype, x.nbytes, x.tag) for x in e.comm.ledger)  # noqa: E731
         out[stage] = (rel(eager_losses, whole_losses), rel(eager_norms, whole_norms),
-                      max(((wp[n] - ep[n]).norm() / ep[n].norm()).item() for n in ep))
+                      max(((wp[n] - ep[n]).norm() / ep[n].norm()).item() for n in ep), sent(eager), sent(whole))
     return out
 
 
-def test_the_whole_step_trains_like_eager():
+def test_the_whole_step_trains_like_eager_and_sends_what_it_sends():
     """Within 1e-5, as tests/test_compile.py's compiled blocks: the same arithmetic reordered (the
     reduce-scatter sums and then divides where eager averages; the update is written out in torch ops
     where eager's is fused; a tied embedding's two gradients add in the other order). With OPTIM's lr/eps
     of 1e2, an fp32 reordering of a few ulps (1e-7) moves a parameter by at most ~1e-5 of itself in three
     steps; measured 2026-11-26: losses 6.5e-8, parameters 1.5e-6 apart. The gradient norms are compared
     too: clipping and Adam both forgive a gradient's scale, so a gradient off by the world size (tests/plants.py:
-    whole_step_sum_not_averaged) leaves the parameters within the bound and shows only in its norm."""
+    whole_step_sum_not_averaged) leaves the parameters within the bound and shows only in its norm.
+
+    Its ledger, written from the graphs as they run, is the eager step's: the same collectives, bytes and
+    tags over the three steps (aot_eager does not bucket; the inductor test below does)."""
     for per_stage in in_world(3, _compare_stages):
-        for stage, (loss_err, norm_err, param_err) in per_stage.items():
+        for stage, (loss_err, norm_err, param_err, eager_sent, whole_sent) in per_stage.items():
+            assert whole_sent == eager_sent, \
+                f"stage {stage}: only compiled {whole_sent - eager_sent}, only eager {eager_sent - whole_sent}"
             assert loss_err <= 1e-5, f"stage {stage}: losses differ by {loss_err:.1e}"
             assert norm_err <= 1e-5, f"stage {stage}: gradient norms differ by {norm_err:.1e}"
             assert param_err <= 1e-5, f"stage {stage}: parameters differ by {param_err:.1e}"
 
 
 def _stage_3_graphs():
-    with torch.device("meta"):
-        model = GPT(SMALL)
-    block_bytes = 4 * sum(p.numel() for p in model.h[0].parameters()) // 2  # a shard of one block, in fp32
-    engine = ZeroEngine(model, STAGES[3], DistCommunicator(), OPTIM, init=lambda n, s: model.init_param(n, s, 0),
-                        compile="whole", overlap=Overlap(bucket_bytes=block_bytes))
     batch = [torch.randint(0, SMALL.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0)) for _ in range(2)]
-    engine.whole.loss(batch, {}).backward()  # the forward's graph and its backward's; the update's are not read
+    volumes = []
+    for compile in (False, "whole"):
+        with torch.device("meta"):
+            model = GPT(SMALL)
+        block_bytes = 4 * sum(p.numel() for p in model.h[0].parameters()) // 2  # a shard of one block, in fp32
+        engine = ZeroEngine(model, STAGES[3], DistCommunicator(link=None), OPTIM,
+                            init=lambda n, s: model.init_param(n, s, 0), compile=compile,
+                            overlap=Overlap(bucket_bytes=block_bytes))
+        train_step(engine, [batch])
+        volumes.append(sorted(Counter({(e.op, e.tag): 0 for e in engine.comm.ledger}
+                                      | _bytes_by_op_and_tag(engine.comm.ledger)).items()))
     root, block = (4 * u.layout.padded_numel for u in (engine.units[0], engine.units[1]))
-    return root, block, [(g.collectives, g.peak_gathered_bytes) for g in engine.whole.passes.graphs]
+    graphs = [(g.phase, [(c.op, c.nbytes) for c in g.collectives], g.peak_gathered_bytes)
+              for g in engine.whole.graphs["loss"].graphs]
+    return root, block, graphs, volumes
+
+
+def _bytes_by_op_and_tag(ledger) -> Counter:
+    out = Counter()
+    for e in ledger:
+        out[(e.op, e.tag)] += e.nbytes
+    return out
 
 
 @pytest.mark.slow
@@ -85,13 +110,38 @@ def test_compiled_stage_3_keeps_one_gathered_block():
     (held for the whole forward, as eager holds it) and then each block once, with the root and one block
     at most alive together; the backward graph gathers each block once more, just before its backward,
     and reduce-scatters every unit; its gathered bytes also stay within root + one block. Inductor's own
-    bucketing (tests/plants.py: whole_step_bucket_cap_ignored) gathers the whole model at once."""
-    root, block, graphs = in_world(2, _stage_3_graphs)[0]
-    forward, backward = graphs[0], graphs[1]
-    gathers = lambda g: [b for op, b in g[0] if "all_gather" in op]  # noqa: E731
+    bucketing (tests/plants.py: whole_step_bucket_cap_ignored) gathers the whole model at once.
+
+    The step's ledger, written as inductor's graphs ran (bucketed), moves the eager step's bytes for each
+    collective and tag."""
+    root, block, graphs, (eager_volume, whole_volume) = in_world(2, _stage_3_graphs)[0]
+    forward, backward = (next(g for g in graphs if g[0] == phase) for phase in ("forward", "backward"))
+    gathers = lambda g: [b for op, b in g[1] if op == "all_gather"]  # noqa: E731
     units = 1 + SMALL.n_layer
-    assert gathers(forward) == [root] + [block] * SMALL.n_layer, forward[0]
-    assert sorted(gathers(backward)) == sorted([root] + [block] * SMALL.n_layer), backward[0]
-    assert sum(1 for op, _ in backward[0] if "reduce_scatter" in op) == units, backward[0]
-    for name, (_, peak) in (("forward", forward), ("backward", backward)):
+    assert gathers(forward) == [root] + [block] * SMALL.n_layer, forward[1]
+    assert sorted(gathers(backward)) == sorted([root] + [block] * SMALL.n_layer), backward[1]
+    assert sum(1 for op, _ in backward[1] if op == "reduce_scatter") == units, backward[1]
+    for name, (_, _, peak) in (("forward", forward), ("backward", backward)):
         assert peak <= root + block, f"{name}: {peak} bytes gathered at once, over root + one block ({root + block})"
+    assert whole_volume == eager_volume
+
+
+def test_the_trainer_compiles_the_step_whole_on_cpu(tmp_path):
+    """`python -m train --compile whole` on CPU, 2 ranks, stage 3: the step runs compiled, which its ledger
+    shows (only a compiled graph's run writes its collectives there), and sends per step the bytes the eager
+    trainer sends. The CPU trainer tracks memory with a dispatch mode, under which torch.compile would run the
+    step eagerly and silently: the ledger would then hold only the loss's and the token count's bytes.
+    The losses agree as tests/test_whole_step.py's first test bounds them (three steps, fp32, 1e-5)."""
+    import json
+
+    from train.cli import main
+
+    rows = {}
+    for name, flags in (("eager", []), ("whole", ["--compile", "whole"])):
+        out = tmp_path / name
+        assert main(["--model", "gpt2-tiny", "--steps", "3", "--nproc", "2", "--stage", "3", "--out", str(out),
+                     *flags]) == 0
+        rows[name] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for eager, whole in zip(rows["eager"], rows["whole"]):
+        assert whole["comm_volume_bytes"] == eager["comm_volume_bytes"], (eager, whole)
+        assert abs(whole["loss"] - eager["loss"]) <= 1e-5 * abs(eager["loss"]), (eager, whole)

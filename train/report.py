@@ -47,8 +47,8 @@ def summary(per_rank: list[dict], steps: int) -> str:
              f"communication: {r0['comm_bytes'] / GiB:.3f} GiB in all, {r0['comm_bytes'] / max(steps, 1) / 2**20:.2f} MiB "
              f"per step (ZeRO-paper volume, per rank)"]
     if r0.get("whole"):  # zerofunc/whole_step.py
-        lines[2] = ("communication: inside the compiled step's graphs, not counted (--compile whole); the peak "
-                    "counts the engine's buffers, not the compiled step's own on CPU")
+        lines.append("peak memory (--compile whole): the engine's buffers, not the compiled step's own on CPU; the "
+                     "communication is read from the compiled graphs as they ran")
     return "\n".join(lines)
 
 

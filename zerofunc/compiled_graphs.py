@@ -1,44 +1,126 @@
-"""What the step's compiled graphs hold: the collective pass inductor runs on each (zerofunc/whole_step.py
-compiles the step with it), which buckets the graph's collectives as the step decides and then reads the
-graph back: its collectives, and the most gathered bytes alive at any node."""
+"""What the step's compiled graphs hold and do: `CompiledGraphs`, the torch.compile backend zerofunc/whole_step.py
+compiles each of its functions with. It runs inductor (or aot_eager, for tests) with the step's collective
+pass, which buckets the graph's collectives as the step decides and reads each graph back (its collectives,
+and the most gathered bytes alive at any node); and each time a compiled graph runs, it tells the step which
+collectives that run issued, so that the ledger holds what the compiled step sent, as the eager step's does."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 import torch
 
 GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 WAIT = torch.ops._c10d_functional.wait_tensor.default
+OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")  # as the ledger names them (sim/ledger.py)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective of a graph: `op` as the ledger names it, and its payload as a ledger entry counts it
+    (the whole one: a gather's output, a reduce-scatter's input); `scalar` for a 0-dim payload."""
+
+    op: str
+    dtype: torch.dtype
+    nbytes: int
+    scalar: bool
 
 
 @dataclass
 class GraphCollectives:
-    """What one compiled graph holds, read after the collective passes: its collectives in graph order
-    (op name, bytes out), and the most bytes of gathered weights alive at any of its nodes."""
+    """What one compiled graph holds, read after the collective passes: its `phase` ("forward", "backward",
+    or "inference" for a graph no backward follows), its collectives in graph order, and the most bytes of
+    gathered weights alive at any of its nodes."""
 
-    collectives: list[tuple[str, int]]
+    phase: str
+    collectives: list[Collective]
     peak_gathered_bytes: int
 
 
-class CollectivePass:
-    """Inductor's post-grad pass for the step's graphs: buckets gathers and reduce-scatters up to
-    `bucket_bytes` (adjacent ones only, so every rank issues the same), then records the graph.
+@dataclass(eq=False)
+class _Compiled:
+    """One graph dynamo handed the backend: what its forward (or inference) graph issues, and its backward's
+    (compiled, by AOTAutograd, when backward first reaches it)."""
 
-    A plain callable, not a CustomGraphPass: inductor then bypasses its graph caches for these graphs, so
-    the pass runs, and reads the graphs, on every compile (a cached graph would come back unread)."""
+    forward: Optional[GraphCollectives] = None
+    backward: Optional[GraphCollectives] = field(default=None)
 
-    def __init__(self, bucket_bytes: int):
-        self.bucket_bytes = bucket_bytes
+
+class CompiledGraphs:
+    """A torch.compile backend (see the module's docstring). `on_run(phase, collectives)` is told each graph's
+    run: a forward or inference graph's as it runs, backward graphs' when the step says its backward has run
+    (`backward_ran`), last first. `graphs` keeps every graph read, in the order compiled."""
+
+    def __init__(self, backend: str, bucket_bytes: int, on_run: Callable[[str, list[Collective]], None]):
+        self.backend, self.bucket_bytes, self.on_run = backend, bucket_bytes, on_run
         self.graphs: list[GraphCollectives] = []
+        self._compiling: Optional[_Compiled] = None
+        self._awaiting_backward: list[_Compiled] = []  # ran forward since the last backward_ran
 
-    def __call__(self, graph: torch.fx.Graph) -> None:
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs) -> Callable:
+        compiled = self._compiling = _Compiled()
+        if self.backend == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+            run = compile_fx(gm, example_inputs, config_patches={"post_grad_custom_post_pass": self._post_grad,
+                                                                  "reorder_for_compute_comm_overlap": False})
+        else:  # traced and partitioned as under inductor (its partitioner recomputes what the policy says), run
+            # without codegen: the collectives read, not bucketed
+            from torch._dynamo.backends.common import aot_autograd
+            from torch._functorch.aot_autograd import make_boxed_func
+            from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+            def read(g, _inputs):
+                self._read(g.graph)
+                return make_boxed_func(g.forward)
+            run = aot_autograd(fw_compiler=read, bw_compiler=read, inference_compiler=read,
+                               partition_fn=min_cut_rematerialization_partition)(gm, example_inputs)
+
+        def ran(*args):
+            out = run(*args)
+            if compiled.forward is not None:
+                if compiled.forward.phase == "forward":
+                    self._awaiting_backward.append(compiled)
+                self.on_run(compiled.forward.phase, compiled.forward.collectives)
+            return out
+        return ran
+
+    def backward_ran(self) -> None:
+        """The backward of every forward run since the last call has run: tell `on_run` its collectives."""
+        for compiled in reversed(self._awaiting_backward):
+            if compiled.backward is not None:
+                self.on_run("backward", compiled.backward.collectives)
+        self._awaiting_backward.clear()
+
+    def _post_grad(self, graph: torch.fx.Graph) -> None:
+        """Inductor's post-grad pass: buckets gathers and reduce-scatters up to `bucket_bytes` (adjacent ones
+        only, so every rank issues the same), then reads the graph. A plain callable, not a CustomGraphPass:
+        inductor then bypasses its graph caches for these graphs, so the pass runs, and reads the graphs, on
+        every compile (a cached graph would come back unread)."""
         from torch._inductor.fx_passes import bucketing
         cap_mb = lambda _bucket: self.bucket_bytes / 2**20  # noqa: E731
         if self.bucket_bytes:
             bucketing.bucket_all_gather(graph.owning_module, cap_mb)
             if hasattr(bucketing, "bucket_reduce_scatter"):  # not in every torch this runs on
                 bucketing.bucket_reduce_scatter(graph.owning_module, cap_mb)
-        self.graphs.append(read_collectives(graph))
+        self._read(graph)
+
+    def _read(self, graph: torch.fx.Graph) -> None:
+        read = read_collectives(graph)
+        self.graphs.append(read)
+        if read.phase != "backward":
+            self._compiling.forward = read
+        else:  # compiled as backward first reaches it: the latest forward that ran without its backward's graph
+            waiting = [c for c in self._awaiting_backward if c.backward is None] or [self._compiling]
+            waiting[-1].backward = read
+
+
+def graph_phase(graph: torch.fx.Graph) -> str:
+    """Which of AOTAutograd's graphs `graph` is, by the names it gives the inputs: primals_N (a forward that
+    a backward follows), tangents_N (that backward), argN_1 (an inference graph)."""
+    names = [n.name for n in graph.nodes if n.op == "placeholder"]
+    if any(n.startswith("tangents") for n in names):
+        return "backward"
+    return "forward" if any(n.startswith("primals") for n in names) else "inference"
 
 
 def read_collectives(graph: torch.fx.Graph) -> GraphCollectives:
@@ -52,15 +134,19 @@ def read_collectives(graph: torch.fx.Graph) -> GraphCollectives:
         name = getattr(n.target, "__name__", str(n.target))
         if n.op != "call_function" or "_c10d_functional" not in str(n.target) or "wait" in name:
             continue
-        val = n.meta.get("val")
-        outs = val if isinstance(val, (list, tuple)) else [val]
-        nbytes = sum(t.numel() * t.element_size() for t in outs if isinstance(t, torch.Tensor))
-        collectives.append((name.split(".")[0], nbytes))
-        if "all_gather" in name:
+        op = next((o for o in OPS if name.startswith(o)), None)
+        if op is None:
+            raise ValueError(f"the compiled step issues {name}, which the ledger has no name for")
+        payload = n.args[0].meta.get("val") if op == "reduce_scatter" else n.meta.get("val")  # the whole payload
+        tensors = [t for t in (payload if isinstance(payload, (list, tuple)) else [payload])
+                   if isinstance(t, torch.Tensor)]
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        collectives.append(Collective(op, tensors[0].dtype, nbytes, all(t.dim() == 0 for t in tensors)))
+        if op == "all_gather":
             heads = [n] + [a for a in [n.kwargs.get("out")] if isinstance(a, torch.fx.Node)]
             spans.append((where[n], max(_last_alias_use(h, where) for h in heads), nbytes))
     peak = max((sum(b for lo, hi, b in spans if lo <= i <= hi) for i in range(len(nodes))), default=0)
-    return GraphCollectives(collectives, peak)
+    return GraphCollectives(graph_phase(graph), collectives, peak)
 
 
 def _last_alias_use(node: torch.fx.Node, where: dict) -> int:

@@ -18,11 +18,13 @@ global norm (a non-finite norm skips the step, as eager's does), then clipping, 
 shard and, at stages 1-2, the all-gather of the new weights. The step count and the learning rate enter
 as tensors, so a new step is no new graph.
 
-The compiler's collective passes are this module's decisions too (`CollectivePass`): inductor's
+The compiler's collective passes are this module's decisions too (zerofunc/compiled_graphs.py): inductor's
 bucketing would merge every gather of the model into one (its cap is 2000 MB) and so hold every block
 gathered at once; here gathers and reduce-scatters are bucketed up to the overlap bucket size, and the
-comm-reordering passes stay off. What the graphs then hold is read back from them
-(`CollectivePass.graphs`, zerofunc/compiled_graphs.py): tests/test_whole_step.py holds stage 3 to one gathered block at a time.
+comm-reordering passes stay off. What the graphs then hold is read back from them (`WholeStep.graphs`):
+tests/test_whole_step.py holds stage 3 to one gathered block at a time. Each run of a graph writes its
+collectives in the communicator's ledger, tagged as the eager step tags the same bytes, so the ledger of a
+step compiled whole is the eager step's (the planner's), bucketed: tests/test_whole_step.py holds it so.
 
 Levers the eager step has and this one does not yet (offload, hpZ, hybrid sharding, fp16 loss scaling,
 activation checkpointing, an fp32 reduction of 16-bit gradients) are refused in one line.
@@ -41,7 +43,8 @@ from torch.func import functional_call
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from zerofunc.compiled_graphs import GATHER, WAIT, CollectivePass
+from sim.ledger import LedgerEntry
+from zerofunc.compiled_graphs import GATHER, WAIT, Collective, CompiledGraphs
 
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # torch 2.13 renamed it
 
@@ -111,10 +114,11 @@ class WholeStep:
         self.engine, self.stage = engine, engine.stage
         group = engine.comm.group if engine.comm.group is not None else dist.group.WORLD
         self.group_name, self.world = group.group_name, engine.comm.world_size
-        self.passes = CollectivePass(engine.overlap.bucket_bytes)
-        options = {"post_grad_custom_post_pass": self.passes, "reorder_for_compute_comm_overlap": False}
-        compiled = functools.partial(torch.compile, backend=self.backend, dynamic=False,
-                                     **({"options": options} if self.backend == "inductor" else {}))
+        # each function's graphs, read as compiled and counted into the ledger as they run
+        self.graphs = {role: CompiledGraphs(self.backend, engine.overlap.bucket_bytes,
+                                            functools.partial(self._issued, role))
+                       for role in ("loss", "reduce", "apply")}
+        compiled = lambda fn, role: torch.compile(fn, backend=self.graphs[role], dynamic=False)  # noqa: E731
         # the leaves gradients arrive at: the shard (stages 2-3; at stage 2 a placeholder of the shard's size,
         # since the weights the forward uses are the whole ones), the whole weights (stages 0-1)
         self.leaves = {u.name: (torch.zeros_like(u.master, dtype=u.params.dtype) if self.stage.shard_grads
@@ -123,9 +127,22 @@ class WholeStep:
         self._master_spans = [_span_in(u.master, u.params) for u in engine.units]
         for unit in engine.gathering.blocks:
             unit.module.forward = self._block_forward(unit, unit.module.forward)
-        self._loss = compiled(self._loss_eager)
-        self._reduce = compiled(self._reduce_eager)
-        self._apply = compiled(self._apply_eager)
+        self._loss = compiled(self._loss_eager, "loss")
+        self._reduce = compiled(self._reduce_eager, "reduce")
+        self._apply = compiled(self._apply_eager, "apply")
+
+    def _issued(self, role: str, phase: str, collectives: list[Collective]) -> None:
+        """A graph of `role` ran and issued `collectives`: into the ledger, tagged as the eager step tags them
+        (zerofunc/gather.py, reduction.py, sharded_optim.py). The step waits for a scalar (the norm) at once."""
+        comm = self.engine.comm
+        for c in collectives:
+            if role == "loss":
+                tag = "params.bwd" if phase == "backward" and c.op == "all_gather" else \
+                    "grads" if c.op == "reduce_scatter" else "params.fwd"
+            else:
+                tag = ("grad_norm" if c.scalar else "grads") if role == "reduce" else "params.step"
+            comm.ledger.append(LedgerEntry(c.op, str(c.dtype).removeprefix("torch."), c.nbytes, self.world, tag,
+                                           not c.scalar, comm.group_name))
 
     # ---- forward and backward ------------------------------------------------------------------------
     def _whole_weights(self, unit) -> dict[str, torch.Tensor]:
@@ -171,6 +188,7 @@ class WholeStep:
             args, kwargs = ((), {**batch, **extra}) if isinstance(batch, dict) else (tuple(batch), extra)
             loss = self._loss(args, kwargs)
             (loss / len(micro_batches)).backward()
+            self.graphs["loss"].backward_ran()
             total = loss.detach() if total is None else total + loss.detach()
         self._update()
         return total / len(micro_batches)

@@ -8,11 +8,22 @@ PLANTS: list[Plant] = [
           "            g = g / self.world  #", "            g = g  #",
           "the compiled step's collectives sum the ranks' gradients and nothing divides the sum: every stage "
           "compiled whole trains with N times the gradient",
-          "issue 31", ("tests/test_whole_step.py::test_the_whole_step_trains_like_eager",)),
+          "issue 31", ("tests/test_whole_step.py::test_the_whole_step_trains_like_eager_and_sends_what_it_sends",)),
+    Plant("whole_step_backward_not_ledgered", "zerofunc/whole_step.py",
+          '            self.graphs["loss"].backward_ran()\n', "",
+          "the compiled step's backward graphs run but their collectives never reach the ledger: --compile whole "
+          "reports stage 2-3 without their reduce-scatters and stage 3 without its backward gathers",
+          "issue 31", ("tests/test_whole_step.py::test_the_whole_step_trains_like_eager_and_sends_what_it_sends",)),
     Plant("whole_step_bucket_cap_ignored", "zerofunc/compiled_graphs.py",
           "            bucketing.bucket_all_gather(graph.owning_module, cap_mb)\n",
           "            bucketing.bucket_all_gather(graph.owning_module)\n",
           "the compiled step buckets gathers at inductor's default cap (2000 MB): stage 3 gathers the whole model "
           "at once, undoing ZeRO-3's memory",
           "issue 31", ("tests/test_whole_step.py::test_compiled_stage_3_keeps_one_gathered_block",)),
+    Plant("trainer_runs_the_whole_step_under_the_tracker", "train/loop.py",
+          "            with tracker if engine.whole is None else contextlib.nullcontext():\n",
+          "            with tracker:\n",
+          "the CPU trainer's memory tracker (a dispatch mode) is entered around the step compiled whole: torch.compile "
+          "then runs it eagerly, silently, and --compile whole on CPU compiles nothing",
+          "issue 31", ("tests/test_whole_step.py::test_the_trainer_compiles_the_step_whole_on_cpu",)),
 ]

@@ -78,8 +78,8 @@ def recommend(reports: list[StageReport]) -> Optional[StageReport]:
 # A plan simulates the eager step: torch.compile cannot run on meta tensors here, and would change the
 # kernels (fusion), hence activations and time. The trainer compiles by default on CUDA only.
 EAGER_NOTE = ("planned eager (torch.compile off); python -m train compiles each block by default on CUDA: "
-              "train with --no-compile to run what was planned (--compile whole is not planned: the compiler "
-              "buckets and schedules its collectives)")
+              "train with --no-compile to run what was planned (--compile whole sends the planned bytes, bucketed, "
+              "but its memory and time are not planned: the compiler fuses and schedules)")
 
 
 def as_json(plan: Plan, reports: list[StageReport], capacity: int, costs: Optional[list] = None,
