@@ -34,7 +34,15 @@ class Blocks(nn.Module):
 def engine_for(stage: int):
     torch.manual_seed(0)  # the same weights on every rank
     model = Blocks()
-    return model, zerofunc.initialize(model, {**CONFIG, "zero_optimization": {"stage": stage}})
+    # stage 3 with activation checkpointing: its blocks' forwards are the engine's while it runs
+    checkpointing = {"activation_checkpointing": {"mode": "full"}} if stage == 3 else {}
+    return model, zerofunc.initialize(model, {**CONFIG, "zero_optimization": {"stage": stage}, **checkpointing})
+
+
+def engines_marks(model: nn.Module) -> list[str]:
+    """The modules that carry a hook or a forward of their own (the engine's, left behind)."""
+    return [name for name, m in model.named_modules()
+            if m._forward_pre_hooks or m._forward_hooks or "forward" in m.__dict__]
 
 
 def misuse(stage: int) -> dict:
@@ -64,10 +72,13 @@ def misuse(stage: int) -> dict:
     model.fail = False
     found["bound after"] = [name for name, p in model.named_parameters() if p.device.type != "meta"]
     found["gathered after"] = [u.name for u in engine.units if stage == 3 and u.gathered]
+    found["marks after"] = engines_marks(model)
     for x, y in batches:
         for e in (engine, clean):
             e.backward(e(x, y))
+            found["marks after"] += engines_marks(model)  # between forward and backward as well
             e.step()
+    found["marks after"] += engines_marks(model)
     ours, theirs = engine.full_parameters(), clean.full_parameters()
     found["same training"] = all(torch.equal(ours[n], theirs[n]) for n in theirs)
     return found
@@ -89,7 +100,9 @@ def test_misuse_fails_loudly_and_a_failed_forward_leaves_no_trace(request, ranks
     """2 gloo ranks, and one. loss.backward() instead of engine.backward(loss) is an error at
     once (it used to train nothing, silently: step() returned False forever); so is step() with no backward
     since the last one. A forward that raises in the second block leaves no block bound and (stage 3) nothing
-    gathered, and the steps after it equal those of an engine that never failed, bit for bit."""
+    gathered, and the steps after it equal those of an engine that never failed, bit for bit. Between the
+    engine's calls, a failed one included, the caller's modules carry none of the engine's hooks or forwards
+    (stage 3 with activation checkpointing, whose blocks run a checkpointed forward while the engine's runs)."""
     if ranks == 1:
         results = in_world(1, misuse, stage)
     else:
@@ -100,4 +113,5 @@ def test_misuse_fails_loudly_and_a_failed_forward_leaves_no_trace(request, ranks
         assert found["step first"] == found["step twice"] == \
             "step() with no engine.backward(loss) since the last step: nothing to update"
         assert found["bound after"] == [] and found["gathered after"] == []
+        assert found["marks after"] == []
         assert found["same training"]

@@ -25,7 +25,10 @@ def initialize(model: nn.Module, config: dict | str | Path | Config, *, device: 
     Without a process group, a single-rank gloo group is started, so the same script
     runs alone or under torchrun. A model with real weights starts from them, and its
     own copies are then released (only the engine's flat buffers hold weights); a model
-    on the meta device needs `init`, or an `init_param(name, shape, seed)` method.
+    on the meta device needs `init`, or an `init_param(name, shape, seed)` method. The
+    module is otherwise left as it was: the engine's hooks and forwards are in it only while
+    the engine's forward runs (zerofunc/binding.py), so `model.eval()` and `model.train()`
+    still set what the engine runs.
     `compile` (else the config's `compile` key): "blocks" (or True) runs each block's compute through
     torch.compile, "whole" compiles the whole step with its collectives (zerofunc/whole_step.py), False
     neither; by default blocks on CUDA only (on CPU inductor emits C++, and a first compile costs more than

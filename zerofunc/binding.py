@@ -1,9 +1,23 @@
-"""How a unit's flat buffer enters the model: its views bound in place of the module's parameters while
-its block runs (`bind`), since the model's own forward, not the engine, calls the block."""
+"""How the engine enters the caller's model for one call, and leaves it as it found it.
+
+The model's own forward calls its blocks, so the engine reaches a block only through the block: its
+views are bound in place of the module's parameters while it runs (`bind`), and its forward and hooks
+(the engine's gather, bind and release; a compiled or checkpointed forward) are set in the caller's
+modules only while the engine's forward runs (`installed`). Between the engine's calls the module is the
+caller's as it was: no hook, no forward of the engine's, no attribute changed. Its weights excepted:
+`zerofunc.initialize` moves them into the engine's flat buffers (the module keeps meta tensors in their
+place), as DeepSpeed's ZeRO-3 and FSDP2 replace them in place, since keeping both copies would double
+the memory of the model the engine exists to fit.
+"""
 from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn as nn
+
+_ABSENT = object()
 
 
 def bind(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -15,3 +29,28 @@ def bind(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.
         replaced[name] = owner._parameters[attr]
         owner._parameters[attr] = t
     return replaced
+
+
+@contextlib.contextmanager
+def installed(forwards: Mapping[nn.Module, Callable], pre_hooks: Mapping[nn.Module, Callable] = {},
+              post_hooks: Mapping[nn.Module, Callable] = {},
+              settings: Sequence[tuple[Any, str, Any]] = ()) -> Iterator[None]:
+    """Within: each module's `forwards` in place of its own, its pre- and post-forward hooks registered, and
+    each (object, attribute, value) of `settings` set. After, even on an error: each module as it was (an
+    instance's own forward or attribute, if it had one, back; else the class's again)."""
+    saved, handles = [], []
+    try:
+        for obj, name, value in [(m, "forward", f) for m, f in forwards.items()] + list(settings):
+            saved.append((obj, name, obj.__dict__.get(name, _ABSENT)))
+            setattr(obj, name, value)
+        handles += [m.register_forward_pre_hook(h) for m, h in pre_hooks.items()]
+        handles += [m.register_forward_hook(h) for m, h in post_hooks.items()]
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for obj, name, old in reversed(saved):
+            if old is _ABSENT:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, old)

@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call
 
+from zerofunc.binding import installed
 from zerofunc.block_hooks import BlockHooks
 from zerofunc.comm import Communicator
 from zerofunc.config import COMPILE_MODES
@@ -133,17 +134,21 @@ class ZeroEngine(BlockHooks, WholeState):
         # a compiled backward saves its weights past the pack hook: stage 3 gathers such a block again
         # before its segment is differentiated
         self._regather_before_backward = compile and stage.shard_params
+        # what the engine's forward sets in the caller's modules while it runs (zerofunc/binding.py)
+        self._forwards, self._pre_hooks, self._post_hooks = {}, {}, {}
         for i, unit in enumerate(self.gathering.blocks):
-            unit.module.register_forward_pre_hook(self._gather_and_bind(unit))
-            unit.module.register_forward_hook(self._unbind_and_release(unit))
+            self._pre_hooks[unit.module] = self._gather_and_bind(unit)
+            self._post_hooks[unit.module] = self._unbind_and_release(unit)
+            forward = unit.module.forward
             if compile:  # the block's compute only: its hooks gather, bind and release outside the graph
-                unit.module.forward = torch.compile(unit.module.forward)
-            unit.module.forward = self._unseen_by_the_tape(unit.module.forward)
+                forward = torch.compile(forward)
+            forward = self._unseen_by_the_tape(forward)
             if checkpointing.recomputes(i):
-                unit.module.forward = checkpointed(unit.module.forward, lambda u=unit: u.bound is not None,
-                                                   lambda u=unit: self._recomputing(u))
-        for head in (m for m in model.modules() if isinstance(m, LinearCrossEntropy)):
-            head.recompute = checkpointing.on  # the output head's logits, recomputed chunk by chunk
+                forward = checkpointed(forward, lambda u=unit: u.bound is not None, lambda u=unit: self._recomputing(u))
+            self._forwards[unit.module] = forward
+        # the output head's logits, recomputed chunk by chunk
+        self._settings = [(m, "recompute", checkpointing.on) for m in model.modules()
+                          if isinstance(m, LinearCrossEntropy)]
 
     # ---- forward -----------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -153,7 +158,9 @@ class ZeroEngine(BlockHooks, WholeState):
         bound by its forward pre-hook, just before it runs (under stage 3, just after it
         is gathered), which also starts the block's segment of the tape: the hooks are the
         adapter through which the model's own forward, not the engine, says where blocks
-        start. The root unit is bound (and under stage 3 gathered) for the whole call.
+        start. They, and the blocks' forwards the engine runs (unwatched by the tape, compiled,
+        checkpointed), are in the caller's modules for this call only (zerofunc/binding.py).
+        The root unit is bound (and under stage 3 gathered) for the whole call.
         """
         if self.whole is not None:
             if torch.is_grad_enabled():
@@ -167,6 +174,7 @@ class ZeroEngine(BlockHooks, WholeState):
         self._tape = Tape(_outside_the_engine) if torch.is_grad_enabled() else None  # an evaluation has no backward to cut
         try:
             with self.memory.category("activations"), contextlib.ExitStack() as stack:
+                stack.enter_context(installed(self._forwards, self._pre_hooks, self._post_hooks, self._settings))
                 if self.stage.shard_params:
                     stack.enter_context(self.gathering.saved_tensors_hooks())
                 if self._tape is not None:

@@ -44,6 +44,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from sim.ledger import LedgerEntry
+from zerofunc.binding import installed
 from zerofunc.compiled_graphs import GATHER, WAIT, Collective, CompiledGraphs
 
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # torch 2.13 renamed it
@@ -125,8 +126,8 @@ class WholeStep:
                                 and not self.stage.shard_params else u.params.detach()).requires_grad_()
                        for u in engine.units}
         self._master_spans = [_span_in(u.master, u.params) for u in engine.units]
-        for unit in engine.gathering.blocks:
-            unit.module.forward = self._block_forward(unit, unit.module.forward)
+        # set in the caller's blocks while the step's forward runs (zerofunc/binding.py)
+        self._forwards = {u.module: self._block_forward(u, u.module.forward) for u in engine.gathering.blocks}
         self._loss = compiled(self._loss_eager, "loss")
         self._reduce = compiled(self._reduce_eager, "reduce")
         self._apply = compiled(self._apply_eager, "apply")
@@ -177,7 +178,8 @@ class WholeStep:
 
     def loss(self, args: tuple, kwargs: dict) -> torch.Tensor:
         """The model's loss on one micro-batch, through the compiled forward (also for evaluation)."""
-        return self._loss(tuple(args), dict(kwargs))
+        with installed(self._forwards):
+            return self._loss(tuple(args), dict(kwargs))
 
     # ---- the step ---------------------------------------------------------------------------------------
     def __call__(self, micro_batches: Sequence, num_items: Optional[torch.Tensor]) -> torch.Tensor:
@@ -186,7 +188,7 @@ class WholeStep:
         total = None
         for batch in micro_batches:
             args, kwargs = ((), {**batch, **extra}) if isinstance(batch, dict) else (tuple(batch), extra)
-            loss = self._loss(args, kwargs)
+            loss = self.loss(args, kwargs)
             (loss / len(micro_batches)).backward()
             self.graphs["loss"].backward_ran()
             total = loss.detach() if total is None else total + loss.detach()

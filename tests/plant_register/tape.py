@@ -42,4 +42,9 @@ PLANTS: list[Plant] = [
           "a tensor a block keeps (made from its input leaf, unwatched) is taken as a weight's: its gradient to the "
           "block's input is silently dropped",
           "issue 31", ("tests/test_tape.py",)),
+    Plant("engine_leaves_its_forwards_in_the_callers_modules", "zerofunc/binding.py",
+          "        for obj, name, old in reversed(saved):\n", "        for obj, name, old in []:\n",
+          "the engine's forwards (a checkpointed, compiled or unwatched block) stay in the caller's modules after "
+          "its call: the caller's module is rewritten, and calling it outside the engine runs the engine's code",
+          "issue 31", ("tests/test_engine_misuse.py", "-m", "not slow")),
 ]
