@@ -79,25 +79,26 @@ def record_step(engine, mine: list, everyone: list) -> Step:
     """One optimizer step of `engine` through `train_step` (as the trainer runs it) over this rank's
     micro-batches `mine`, recorded; `everyone` is the step's micro-batches of all ranks."""
     params, (m, v) = engine.full_parameters(), engine.full_moments()
-    grads, taken, stepped = {}, [], engine.step
+    grads, taken, update = {}, [], engine.update
 
-    def step(lr=None):  # train_step's call at the boundary: the reduced gradients first
+    def intercepted(state, lr=None):  # the step's update at the boundary: the reduced gradients first
         grads.update(engine.full_gradients())
-        taken.append(stepped(lr))
-        return taken[-1]
+        after = update(state, lr)
+        taken.append(after.steps > state.steps)
+        return after
 
-    engine.step = step
+    engine.update = intercepted
     try:
         logged = train_step(engine, mine).item()
     finally:
-        del engine.step
+        del engine.update
     assert taken == [True], ("the engine skipped the step: its gradients were not finite" if taken == [False]
                              else f"the engine was asked to step {len(taken)} times, not once")
     terms = sum(u.layout.padded_numel for u in engine.units) + len(engine.units) + engine.comm.world_size
     opt = engine.optimizer
     # the rate the user configured, by the config's own schedule (an engine built without a config: its optimizer's)
     lr_at = engine.config.lr if hasattr(engine, "config") else lambda step, lr=engine.optim.lr: lr
-    return Step(opt.step_count, params, m, v, grads, engine.full_parameters(), *engine.full_moments(), list(everyone),
+    return Step(engine.state.steps, params, m, v, grads, engine.full_parameters(), *engine.full_moments(), list(everyone),
                 engine.grad_accum, engine.optim, lr_at, opt.clip, terms, logged)
 
 

@@ -200,6 +200,7 @@ def api_checkpoint_world(run_dir: str) -> dict:
     load into a fresh engine, load a manifest from before `nonfinite_steps` was saved, and load a
     checkpoint whose rank-00001 file has one flipped byte. What each step left, as plain values."""
     import types
+    from dataclasses import replace
 
     import torch.distributed as dist
 
@@ -208,6 +209,7 @@ def api_checkpoint_world(run_dir: str) -> dict:
     from zerofunc import checkpoint
     from zerofunc.checkpoint_files import CheckpointError, step_dir
     from zerofunc.models import build_model
+    from zerofunc.state import OptimizerState
 
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "fp16": {"enabled": True}}
 
@@ -218,17 +220,16 @@ def api_checkpoint_world(run_dir: str) -> dict:
 
     rank = dist.get_rank()
     saved = engine(None)  # the model's own init_param
-    opt = saved.optimizer
     # 7 training steps: 2 taken, 3 skipped for fp16 overflows, 2 for non-finite gradients; the optimizer's
     # count (bias correction, the schedule) is not the training step
-    opt.step_count, opt.skipped_steps, opt.nonfinite_steps = 2, 3, 2
-    opt.loss_scaler.scale, opt.loss_scaler.overflows, opt.loss_scaler.clean_steps = 1024.0, 1, 5
+    saved.state = OptimizerState(2, 3, 2, loss_scale=replace(saved.state.loss_scale, scale=1024.0, overflows=1,
+                                                                 clean_steps=5))
     checkpoint.save(saved, run_dir, 7)
 
     loaded = engine(lambda name, shape: torch.zeros(shape))  # differs from every saved weight
     checkpoint.load(loaded, run_dir)
-    out = {"counters": [loaded.optimizer.step_count, loaded.optimizer.skipped_steps, loaded.optimizer.nonfinite_steps],
-           "scaler": loaded.optimizer.loss_scaler.state_dict(),
+    out = {"counters": [loaded.state.steps, loaded.state.skipped, loaded.state.nonfinite],
+           "scaler": loaded.state.loss_scale.state_dict(),
            "masters_equal": all(torch.equal(a.master, b.master) for a, b in zip(saved.units, loaded.units))}
 
     # A checkpoint written before nonfinite_steps was saved: no field, and 0 on load.
@@ -238,17 +239,17 @@ def api_checkpoint_world(run_dir: str) -> dict:
         manifest.pop("nonfinite_steps", None)
         manifest_path.write_text(json.dumps(manifest))
     dist.barrier()
-    loaded.optimizer.nonfinite_steps = 9
+    loaded.state = replace(loaded.state, nonfinite=9)
     try:
         checkpoint.load(loaded, run_dir)
-        out["old_manifest_nonfinite"] = loaded.optimizer.nonfinite_steps
+        out["old_manifest_nonfinite"] = loaded.state.nonfinite
     except Exception as e:  # as a value, so that the other tests still run
         out["old_manifest_nonfinite"] = repr(e)
 
     # The trainer's stop at a non-finite step 9 saves the weights of step 8, which must not count step 9
     # as skipped: the resume runs it again.
-    opt.nonfinite_steps = 3  # 2 before, and step 9's
-    _stop_nonfinite(saved, types.SimpleNamespace(out=run_dir, model="gpt2-tiny", seed=0), 9, float("nan"), None)
+    _stop_nonfinite(saved, types.SimpleNamespace(out=run_dir, model="gpt2-tiny", seed=0), 9, float("nan"), None,
+                    replace(saved.state, nonfinite=3))  # 2 before, and step 9's
     out["stop_saved_nonfinite"] = json.loads((step_dir(run_dir, 8) / "manifest.json").read_text()).get(
         "nonfinite_steps")
 

@@ -38,7 +38,7 @@ def _train(stage: int, compile, overlap: Overlap = Overlap()):
     for _ in range(STEPS):
         micro = [[torch.randint(0, CFG.vocab_size, (2, 11), generator=g) for _ in range(2)] for _ in range(ACCUM)]
         losses.append(train_step(engine, micro).item())
-        norms.append(engine.optimizer.grad_norm)
+        norms.append(engine.state.grad_norm)
     return engine, losses, norms
 
 

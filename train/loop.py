@@ -6,7 +6,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -26,7 +26,7 @@ from zerofunc.checkpoint_files import step_dir
 from zerofunc.config import Config
 from zerofunc.launch import mark_step
 from zerofunc.models import build_model, model_config
-from zerofunc.step import train_step
+from zerofunc.step import step as zero_step
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,7 @@ def train_rank(args: TrainArgs) -> dict:
     first = 1
     if args.resume:
         first = checkpoint.load(engine, args.out)["step"] + 1
+    state = engine.state  # the optimizer's state: into each step, and out of it (zerofunc/state.py)
     saved = first - 1 if args.resume else None  # the step of the newest checkpoint of this run
     stop = StopAgreement()
     metrics = _open_metrics(args.out, keep_through=first - 1) if rank == 0 else None
@@ -96,11 +97,10 @@ def train_rank(args: TrainArgs) -> dict:
     start = time.perf_counter()
     loss_mean = float("nan")
     totals = {"peak_bytes": 0, "comm_bytes": 0, "tokens": 0, "whole": args.compile == "whole"}
-    nonfinite = engine.optimizer.nonfinite_steps
     for step in range(first, args.steps + 1):
         mark_step(step)
         if stop.stop_before(step):
-            totals["stopped"] = _stop_preempted(engine, args, step - 1, saved, stop.agreed[1])
+            totals["stopped"] = _stop_preempted(engine, args, step - 1, saved, stop.agreed[1], state)
             break
         t0 = time.perf_counter()
         micro_batches = [[t.to(device) for t in rank_batch(corpus, step, cfg.micro_batch, world, rank, args.seq,
@@ -112,13 +112,13 @@ def train_rank(args: TrainArgs) -> dict:
             # entered, the tracker (a dispatch mode) would make torch.compile run the step compiled whole eagerly:
             # that step's peak is the engine's buffers only, as the summary says
             with tracker if engine.whole is None else contextlib.nullcontext():
-                loss = train_step(engine, micro_batches)
+                after, done = zero_step(engine, state, micro_batches)
         else:
             torch.cuda.reset_peak_memory_stats(device)
-            loss = train_step(engine, micro_batches)
-        loss_mean = loss.item()
-        skipped = engine.optimizer.nonfinite_steps > nonfinite  # the same on every rank: the norm is global
-        nonfinite = engine.optimizer.nonfinite_steps
+            after, done = zero_step(engine, state, micro_batches)
+        loss_mean = done.loss.item()
+        skipped = after.nonfinite > state.nonfinite  # the same on every rank: the norm is global
+        state = after
         step_s = time.perf_counter() - t0
         peak = tracker.peak if tracker is not None else torch.cuda.max_memory_allocated(device)
         volume = comm.ledger.volume_bytes()
@@ -131,11 +131,11 @@ def train_rank(args: TrainArgs) -> dict:
         if metrics is not None:
             row = {"step": step, "loss": loss_mean, "tokens": step * tokens_per_step, "time_s": step_s,
                    "elapsed_s": time.perf_counter() - start, "comm_volume_bytes": volume, "peak_bytes": peak,
-                   "lr": cfg.lr(max(engine.optimizer.step_count, 1)), "grad_norm": engine.optimizer.grad_norm}
+                   "lr": cfg.lr(max(state.steps, 1)), "grad_norm": done.grad_norm}
             if val_loss is not None:
                 row |= {"val_loss": val_loss}
-            if engine.optimizer.loss_scaler is not None:
-                row |= {"loss_scale": engine.optimizer.loss_scaler.scale, "skipped_steps": engine.optimizer.skipped_steps}
+            if state.loss_scale is not None:
+                row |= {"loss_scale": state.loss_scale.scale, "skipped_steps": state.skipped}
             if skipped:
                 row |= {"nonfinite": True}
             metrics.write(json.dumps(row) + "\n")
@@ -144,11 +144,11 @@ def train_rank(args: TrainArgs) -> dict:
                 board.write(row)
             progress.update(step, loss_mean, tokens_per_step / step_s, peak, val_loss)
         if skipped and args.on_nonfinite == "stop":
-            totals["stopped"] = _stop_nonfinite(engine, args, step, loss_mean, saved)
+            totals["stopped"] = _stop_nonfinite(engine, args, step, loss_mean, saved, state)
             break
         if args.save_every and (step % args.save_every == 0 or step == args.steps):  # the last step too
             try:
-                _save(engine, args, step)
+                _save(engine, args, step, state)
                 saved = step
             except SaveError as e:
                 if args.on_save_error == "stop":
@@ -172,31 +172,31 @@ def train_rank(args: TrainArgs) -> dict:
     return totals
 
 
-def _stop_nonfinite(engine, args: TrainArgs, step: int, loss: float, saved) -> tuple[str, str]:
+def _stop_nonfinite(engine, args: TrainArgs, step: int, loss: float, saved, state) -> tuple[str, str]:
     """The step was skipped, so the weights are still those of the step before it: save them, and
     say so in the run's last line."""
     why = f"step {step}: the loss is {loss} and the gradients are not finite"
     # A resume runs step `step` again, so the checkpoint of the step before must not count it as
     # skipped yet (one saved there by --save-every does not): the count then resumes exactly.
-    engine.optimizer.nonfinite_steps -= 1
+    state = replace(state, nonfinite=state.nonfinite - 1)
     return _final_save(engine, args, step - 1, saved, why, f"stopped with the weights of step {step - 1}",
-                       "nonfinite", " (--on-nonfinite skip skips such steps)")
+                       "nonfinite", " (--on-nonfinite skip skips such steps)", state)
 
 
-def _stop_preempted(engine, args: TrainArgs, last: int, saved, signal_name: str) -> tuple[str, str]:
+def _stop_preempted(engine, args: TrainArgs, last: int, saved, signal_name: str, state) -> tuple[str, str]:
     return _final_save(engine, args, last, saved, f"{signal_name} received", f"stopped after step {last}", "preempted",
-                       "; continue with --resume")
+                       "; continue with --resume", state)
 
 
 def _final_save(engine, args: TrainArgs, last: int, saved, why: str, what: str, kind: str,
-                advice: str) -> tuple[str, str]:
+                advice: str, state) -> tuple[str, str]:
     """Save the weights of step `last` as the run stops (unless that checkpoint exists already):
     the (kind, line) the launcher reports."""
     if last < 1:
         return kind, f"{why}; {what}: no step was completed, nothing to save{advice}"
     if saved != last:
         try:
-            _save(engine, args, last)
+            _save(engine, args, last, state)
         except SaveError as e:
             return "save_failed", f"{why}; {what}, but {e}; {_newest(args, saved)}"
     return kind, f"{why}; {what}, its checkpoint is {step_dir(args.out, last)}{advice}"
@@ -207,8 +207,8 @@ def _newest(args: TrainArgs, saved) -> str:
             else "there is no checkpoint of this run")
 
 
-def _save(engine, args: TrainArgs, step: int) -> Path:
-    return checkpoint.save(engine, args.out, step, extra={"model": args.model, "seed": args.seed})
+def _save(engine, args: TrainArgs, step: int, state) -> Path:
+    return checkpoint.save(engine, args.out, step, extra={"model": args.model, "seed": args.seed}, state=state)
 
 
 def _open_metrics(out: str, keep_through: int):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -26,6 +27,7 @@ from safetensors.torch import save_file
 from zerofunc.checkpoint_files import (FORMAT, CheckpointError, check_files, check_model, rank_file, read_manifest,
                                        resolve, saved_spans, sha256, step_dir)
 from zerofunc.engine import ZeroEngine
+from zerofunc.state import OptimizerState
 
 
 def _owned_span(engine: ZeroEngine, unit) -> tuple[int, int]:
@@ -35,8 +37,10 @@ def _owned_span(engine: ZeroEngine, unit) -> tuple[int, int]:
     return 0, unit.layout.padded_numel
 
 
-def save(engine: ZeroEngine, run_dir: str | Path, step: int, extra: Optional[dict] = None) -> Path:
-    """Save the engine's state as of training step `step`; collective over all ranks.
+def save(engine: ZeroEngine, run_dir: str | Path, step: int, extra: Optional[dict] = None,
+         state: Optional[OptimizerState] = None) -> Path:
+    """Save the engine's buffers and `state` (by default the engine's own, `engine.state`) as of training
+    step `step`; collective over all ranks.
 
     A rank that cannot write (disk full, read-only, a quota) makes every rank raise the
     same `SaveError` after the partial directory is removed: the previous checkpoint and
@@ -75,16 +79,16 @@ def save(engine: ZeroEngine, run_dir: str | Path, step: int, extra: Optional[dic
 
     failure = None
     if rank == 0:
-        opt = engine.optimizer
+        state = state if state is not None else engine.state
         manifest = {
-            "format": FORMAT, "step": step, "optimizer_steps": engine.optimizer.step_count, "world_size": shards,
+            "format": FORMAT, "step": step, "optimizer_steps": state.steps, "world_size": shards,
             "stage": engine.stage.level,
             "files": [rank_file(r) for r in (range(shards) if engine.stage.shard_optimizer else [0])],
             "sha256": {rank_file(r): d for r, (d, _) in enumerate(states) if d is not None},
             "units": [{"name": u.name, "numel": u.layout.numel, "padded_numel": u.layout.padded_numel,
                        "params": [[s.name, list(s.shape)] for s in u.layout.slots]} for u in engine.units],
-            "loss_scaler": opt.loss_scaler.state_dict() if opt.loss_scaler else None,
-            "skipped_steps": opt.skipped_steps, "nonfinite_steps": opt.nonfinite_steps, "extra": extra or {},
+            "loss_scaler": state.loss_scale.state_dict() if state.loss_scale else None,
+            "skipped_steps": state.skipped, "nonfinite_steps": state.nonfinite, "extra": extra or {},
         }
 
         def publish():
@@ -140,7 +144,8 @@ def _data_parallel_rank(engine: ZeroEngine) -> int:
 
 
 def load(engine: ZeroEngine, path: str | Path) -> dict:
-    """Load a checkpoint saved at any world size or stage into `engine`; returns the manifest.
+    """Load a checkpoint saved at any world size or stage into `engine` (its buffers, and its state,
+    `engine.state`); returns the manifest.
 
     Collective over all ranks. Each rank checks the SHA-256 of every shard file it reads, whole,
     before it reads from it, and the ranks agree on the outcome: a file that fails its checksum
@@ -170,14 +175,13 @@ def load(engine: ZeroEngine, path: str | Path) -> dict:
 
     _load_step(ckpt, world, lambda: check_files(ckpt, manifest, files))
     _load_step(ckpt, world, copy)  # a truncated file of a checkpoint from before checksums fails here
-    opt = engine.optimizer
-    opt.step_count = manifest["optimizer_steps"]
-    opt.skipped_steps = manifest.get("skipped_steps", 0)
-    opt.nonfinite_steps = manifest.get("nonfinite_steps", 0)  # absent from checkpoints before it was saved
-    if opt.loss_scaler is not None and manifest.get("loss_scaler"):
-        for key, value in manifest["loss_scaler"].items():
-            setattr(opt.loss_scaler, key, value)
-    opt.refresh_params()
+    scale = engine.state.loss_scale
+    if scale is not None and manifest.get("loss_scaler"):
+        scale = replace(scale, **manifest["loss_scaler"])
+    # nonfinite_steps is absent from checkpoints saved before it was
+    engine.state = OptimizerState(manifest["optimizer_steps"], manifest.get("skipped_steps", 0),
+                                  manifest.get("nonfinite_steps", 0), loss_scale=scale)
+    engine.optimizer.refresh_params()
     return manifest
 
 

@@ -48,6 +48,7 @@ from zerofunc.recompute import ActivationCheckpointing, checkpointed
 from zerofunc.reduction import GradientReduction
 from zerofunc.sharded_optim import ShardedAdamW
 from zerofunc.stages import Stage
+from zerofunc.state import OptimizerState
 from zerofunc.tape import Tape
 from sim.memory import NoMemoryTracking
 from zerofunc.units import PRECISIONS, InitFn, Unit, check_reduce_dtype, materialize, partition
@@ -97,7 +98,10 @@ class ZeroEngine(BlockHooks, WholeState):
         if offload_optimizer and not stage.shard_optimizer:
             raise ValueError("optimizer offload needs ZeRO stage 1, 2 or 3 (stage 0 keeps no optimizer shard)")
         self.grad_accum, self.checkpointing = grad_accum, checkpointing
-        self.micro_step = 0          # backward passes since the last optimizer step
+        # the imperative API's state (backward(), step()): micro-steps since the last optimizer step, and the
+        # optimizer's state, replaced by each step (zerofunc/step.py's `step` takes it as an argument)
+        self.micro_step = 0
+        self.state = OptimizerState(loss_scale=loss_scaler)
         self.model, self.stage, self.comm, self.optim, self.overlap = model, stage, comm, optim, overlap
         if replicas is not None and not stage.shard_optimizer:
             raise ValueError("hybrid sharding shards within a group: it needs ZeRO stage 1, 2 or 3")
@@ -117,8 +121,8 @@ class ZeroEngine(BlockHooks, WholeState):
                                   PRECISIONS[precision], self.memory, self.offload, self.reduce_dtype)
                       for name, module, named in partition(model, unit_names)]
         self.numel = sum(u.numel for u in self.units)
-        self.optimizer = ShardedAdamW(self.units, stage, comm, optim, self.memory, clip, loss_scaler,
-                                      overlap.bucket_bytes, self.offload)
+        self.optimizer = ShardedAdamW(self.units, stage, comm, optim, self.memory, clip, overlap.bucket_bytes,
+                                      self.offload)
         self._tape: Optional[Tape] = None  # the last forward's, until its backward
         self._unit_named = {u.name: u for u in self.units}
         self._root = next((u for u in self.units if u.name == ""), None)  # parameters outside any block
@@ -189,8 +193,18 @@ class ZeroEngine(BlockHooks, WholeState):
 
     # ---- backward ----------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of one micro-step: the loss is divided by the accumulation count
-        (and multiplied by the fp16 loss scale), so gradients sum to the big batch's.
+        """DeepSpeed's `engine.backward(loss)`: backward of one micro-step, the loss divided by the
+        accumulation count (and multiplied by the fp16 loss scale), so gradients sum to the big batch's.
+        The engine counts the micro-steps for this call and `step()`: the imperative API's state
+        (zerofunc/step.py's `step` takes its state as an argument instead)."""
+        scaler = self.state.loss_scale
+        self.differentiate(loss, (scaler.scale if scaler else 1.0) / self.grad_accum,
+                           boundary=self.micro_step + 1 == self.grad_accum)
+        self.micro_step += 1
+
+    def differentiate(self, loss: torch.Tensor, scale: float, boundary: bool) -> None:
+        """Backward of the last forward's `loss`, times `scale`; `boundary`: the step's last micro-step,
+        after which stages 0-1 reduce (the others reduce every micro-step).
 
         The forward's tape is differentiated segment by segment, last first; each block's
         gradient is handed to the stage's reduction as soon as its segment is done, the root's
@@ -199,9 +213,6 @@ class ZeroEngine(BlockHooks, WholeState):
         if tape is None:
             raise RuntimeError("engine.backward(loss) with no forward through the engine since the last backward")
         self.memory.mark("backward")
-        boundary = self.micro_step + 1 == self.grad_accum  # stages 0-1 communicate only then
-        scaler = self.optimizer.loss_scaler
-        scale = (scaler.scale if scaler else 1.0) / self.grad_accum
         tape.seed(loss, torch.full_like(loss, scale))
         root = self._root
         root_grad = None
@@ -219,7 +230,6 @@ class ZeroEngine(BlockHooks, WholeState):
                 self._unit_gradient(root, root_grad, boundary)
         self.reduction.drain()
         self.gathering.release_blocks()
-        self.micro_step += 1
 
     def _unit_gradient(self, unit: Unit, grad: torch.Tensor, boundary: bool) -> None:
         """The unit's gradient of this micro-step exists: reduce it as the stage says (zerofunc/reduction.py)."""
@@ -241,7 +251,8 @@ class ZeroEngine(BlockHooks, WholeState):
 
     # ---- optimizer ---------------------------------------------------------------
     def step(self, lr: Optional[float] = None) -> bool:
-        """At an accumulation boundary, the sharded optimizer's update; before one, nothing.
+        """DeepSpeed's `engine.step()`: at an accumulation boundary, the sharded optimizer's update of
+        the engine's state (`self.state`); before one, nothing.
 
         Returns whether the parameters changed (False before a boundary, and when fp16
         gradients overflowed on any rank).
@@ -251,8 +262,13 @@ class ZeroEngine(BlockHooks, WholeState):
         if self.micro_step < self.grad_accum:
             return False
         self.micro_step = 0
+        before, self.state = self.state, self.update(self.state, lr)
+        return self.state.steps > before.steps
+
+    def update(self, state: OptimizerState, lr: Optional[float] = None) -> OptimizerState:
+        """The optimizer's update from the reduced gradients: `state` in, the state after it out."""
         self.memory.mark("step")
-        return self.optimizer.step(lr)
+        return self.optimizer.step(state, lr)
 
 
 def _outside_the_engine(leaf: torch.Tensor) -> None:

@@ -7,10 +7,10 @@ after `hysteresis` overflows and doubles after `window` consecutive clean steps.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
-@dataclass
+@dataclass(frozen=True)
 class LossScaler:
     scale: float = 2.0**16
     dynamic: bool = True
@@ -24,21 +24,17 @@ class LossScaler:
         if not self.scale > 0 or self.window < 1 or self.hysteresis < 1 or not self.min_scale > 0:
             raise ValueError(f"invalid loss scaling: {self}")
 
-    def update(self, overflow: bool) -> None:
-        """Record one boundary step's outcome and adapt the scale."""
+    def updated(self, overflow: bool) -> "LossScaler":
+        """The scaler after one boundary step's outcome: the scale adapted."""
         if not self.dynamic:
-            return
+            return self
         if overflow:
-            self.clean_steps = 0
-            self.overflows += 1
-            if self.overflows >= self.hysteresis:
-                self.scale = max(self.scale / 2, self.min_scale)
-                self.overflows = 0
-        else:
-            self.clean_steps += 1
-            if self.clean_steps >= self.window:
-                self.scale *= 2
-                self.clean_steps = 0
+            if self.overflows + 1 >= self.hysteresis:
+                return replace(self, scale=max(self.scale / 2, self.min_scale), overflows=0, clean_steps=0)
+            return replace(self, overflows=self.overflows + 1, clean_steps=0)
+        if self.clean_steps + 1 >= self.window:
+            return replace(self, scale=self.scale * 2, clean_steps=0)
+        return replace(self, clean_steps=self.clean_steps + 1)
 
     def state_dict(self) -> dict:
         return dict(vars(self))

@@ -1,14 +1,16 @@
 """The update at an accumulation boundary: unscale and clip, AdamW on fp32 masters, refresh the weights.
 
 The engine decides how gradients are reduced into `unit.grad` (whole for stage 0, the
-rank's shard otherwise); this is what happens to them once a boundary is reached. It
-owns the optimizer's step count, the fp16 loss scaler and the learning-rate schedule,
-which are what a checkpoint saves besides the units' masters and moments.
+rank's shard otherwise); this is what happens to them once a boundary is reached. What
+the update changes besides the units' buffers (the step count, the fp16 loss scale, the
+counts of skipped steps, the norm) is a value: `step(state) -> state` (zerofunc/state.py),
+which a checkpoint saves besides the units' masters and moments.
 """
 from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import replace
 from typing import Callable, Optional
 
 import torch
@@ -16,52 +18,48 @@ import torch
 from sim.placement import placed
 from zerofunc.comm import Communicator
 from zerofunc.fused import adamw_fused_, unscale_
-from zerofunc.loss_scale import LossScaler
 from zerofunc.optim import AdamWConfig
 from zerofunc.overlap import InFlight
 from zerofunc.stages import Stage
+from zerofunc.state import OptimizerState
 from zerofunc.units import Unit
 
 
 class ShardedAdamW:
     def __init__(self, units: list[Unit], stage: Stage, comm: Communicator, optim: AdamWConfig, memory,
-                 clip: float = 0.0, loss_scaler: Optional[LossScaler] = None, bucket_bytes: int = 0,
-                 offload=None):
+                 clip: float = 0.0, bucket_bytes: int = 0, offload=None):
         self.units, self.stage, self.comm, self.optim, self.memory = units, stage, comm, optim, memory
         self.offload = offload  # a zerofunc.offload.OptimizerOffload: the update runs on the host
         self._gathering = InFlight(bucket_bytes)  # stages 1-2: new weights spreading while the next unit updates
-        self.clip, self.loss_scaler = clip, loss_scaler
-        self.step_count = 0          # optimizer steps taken (skipped ones excluded)
-        self.skipped_steps = 0       # boundaries whose fp16 gradients overflowed
-        self.nonfinite_steps = 0     # boundaries whose fp32 or bf16 gradients held an inf or a NaN
-        self.grad_norm = float("nan")  # the last boundary's global gradient norm (before clipping)
+        self.clip = clip
         self.lr_schedule: Optional[Callable[[int], float]] = None  # step (from 1) -> lr, when step() gets none
 
     @torch.no_grad()
-    def step(self, lr: Optional[float] = None) -> bool:
-        """AdamW on the fp32 master of what this rank owns, then refresh the weights the forward uses.
+    def step(self, state: OptimizerState, lr: Optional[float] = None) -> OptimizerState:
+        """AdamW on the fp32 master of what this rank owns, then refresh the weights the forward uses;
+        the state after it.
 
-        Returns False, changing nothing, when any rank's gradients hold an inf or a NaN: an fp16
-        overflow (the loss scale adapts), or in fp32 and bf16 a diverged step, whose update would
-        carry the NaN into every weight.
+        Changes no weight, counting the step as skipped (fp16: the loss scale adapts) or non-finite,
+        when any rank's gradients hold an inf or a NaN: an fp16 overflow, or in fp32 and bf16 a
+        diverged step, whose update would carry the NaN into every weight.
         """
         for unit in self.units:
             if unit.grad is None:
                 raise RuntimeError(f"unit {unit.name or '<root>'} has no gradient: call backward() before step()")
         if self.offload is not None:
             self.offload.wait()
-        factor = self._unscale_and_clip()
+        state, factor = self._unscale_and_clip(state)
         if factor is None:
             self._clear_grads()
-            return False
-        self.step_count += 1
+            return state
+        state = replace(state, steps=state.steps + 1)
         if lr is None and self.lr_schedule is not None:
-            lr = self.lr_schedule(self.step_count)
+            lr = self.lr_schedule(state.steps)
         for unit in self.units:
-            self._update(unit, lr, factor)
+            self._update(unit, lr, factor, state.steps)
         self._gathering.drain()
         self._clear_grads()
-        return True
+        return state
 
     @torch.no_grad()
     def refresh_params(self) -> None:
@@ -76,7 +74,7 @@ class ShardedAdamW:
         if gather:
             self.comm.all_gather(unit.params, out, tag="params.load")
 
-    def _update(self, unit: Unit, lr: Optional[float], factor: float) -> None:
+    def _update(self, unit: Unit, lr: Optional[float], factor: float, t: int) -> None:
         """AdamW on one unit's master; the same pass writes the weights' new rounding or the send buffer.
 
         A method of its own (as `_refresh`) so that the send buffer dies on return, before
@@ -85,9 +83,9 @@ class ShardedAdamW:
         out, gather = self._weights_out(unit)
         with self.memory.category("other"):
             if self.offload is not None:
-                self.offload.update(unit.master, unit.grad, unit.m, unit.v, self.step_count, self.optim, lr, factor, out)
+                self.offload.update(unit.master, unit.grad, unit.m, unit.v, t, self.optim, lr, factor, out)
             else:
-                adamw_fused_(unit.master, unit.grad, unit.m, unit.v, self.step_count, self.optim, lr=lr,
+                adamw_fused_(unit.master, unit.grad, unit.m, unit.v, t, self.optim, lr=lr,
                              grad_scale=factor, out=out)
         if gather:  # runs behind the next unit's update, within the bucket size
             nbytes = unit.params.numel() * unit.params.element_size()
@@ -111,8 +109,9 @@ class ShardedAdamW:
             return unit.params, False
         return None, False
 
-    def _unscale_and_clip(self) -> Optional[float]:
-        """What to multiply the gradients by: 1 / loss scale, times the clip coefficient.
+    def _unscale_and_clip(self, state: OptimizerState) -> tuple[OptimizerState, Optional[float]]:
+        """The state with the step's norm (and fp16's scale adapted), and what to multiply the gradients
+        by: 1 / loss scale, times the clip coefficient.
 
         Both need the global gradient norm, which costs one small all-reduce when the
         gradients are sharded (stage 0's are whole on every rank). With fp16 loss scaling
@@ -127,7 +126,7 @@ class ShardedAdamW:
         temporaries at a time. So this pass writes nothing, and AdamW reads the 16-bit
         gradient again and multiplies it by the returned factor as it loads it.
         """
-        scaler = self.loss_scaler
+        scaler = state.loss_scale
         device = self.units[0].params.device  # where the collective runs; offloaded gradients are on the host
         stats = torch.zeros(2 if scaler is not None else 1, device=device, dtype=torch.float32)
         with placed("host") if self.offload is not None else contextlib.nullcontext():
@@ -139,22 +138,19 @@ class ShardedAdamW:
             self.comm.all_reduce(stats, tag="grad_norm", mean=False)
         stats[0:1].sqrt_()  # the norm, in fp32 as before
         norm, found_inf = (stats.tolist() + [0.0])[:2] if device.type != "meta" else (0.0, 0.0)
-        self.grad_norm = norm  # the global norm of the step's (unscaled, unclipped) gradients, for the log
+        state = replace(state, grad_norm=norm)  # of the step's (unscaled, unclipped) gradients, for the log
         factor = 1.0
         if scaler is not None:
             overflow = found_inf > 0 or not math.isfinite(norm)
-            scale = scaler.scale
-            scaler.update(overflow)
+            state = replace(state, loss_scale=scaler.updated(overflow))
             if overflow:
-                self.skipped_steps += 1
-                return None
-            factor = 1.0 / scale
+                return replace(state, skipped=state.skipped + 1), None
+            factor = 1.0 / scaler.scale
         elif not math.isfinite(norm):
-            self.nonfinite_steps += 1
-            return None
+            return replace(state, nonfinite=state.nonfinite + 1), None
         if self.clip:  # as torch.nn.utils.clip_grad_norm_
             factor *= min(1.0, self.clip / (norm + 1e-6))
-        return factor
+        return state, factor
 
     def _clear_grads(self) -> None:
         for unit in self.units:

@@ -27,6 +27,7 @@ import torch.nn as nn
 
 from zerofunc.engine import ZeroEngine
 from zerofunc.lm_head import IGNORE_INDEX
+from zerofunc.state import OptimizerState, StepMetrics
 
 MicroBatch = Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
 
@@ -103,8 +104,10 @@ def micro_step_loss(engine: ZeroEngine, batch: MicroBatch, num_items: Optional[t
     return loss_of(engine(**batch, **extra) if isinstance(batch, Mapping) else engine(*batch, **extra))
 
 
-def train_step(engine: ZeroEngine, micro_batches: Sequence[MicroBatch]) -> torch.Tensor:
-    """One optimizer step over this rank's micro-batches; the loss averaged over the global batch.
+def step(engine: ZeroEngine, state: OptimizerState,
+         micro_batches: Sequence[MicroBatch]) -> tuple[OptimizerState, StepMetrics]:
+    """One optimizer step over this rank's micro-batches: `state` in (zerofunc/state.py), the state after
+    the step out, and the step's metrics; the loss averaged over the global batch.
 
     A micro-batch is the model's positional arguments (our models: inputs, targets),
     or its keyword arguments (a Hugging Face model: input_ids=, labels=).
@@ -114,20 +117,32 @@ def train_step(engine: ZeroEngine, micro_batches: Sequence[MicroBatch]) -> torch
     ranks is the sum over the global batch / its count. A model that does not take the
     keyword keeps its own loss, and the logged loss is then the mean of the micro-steps'.
     Besides the count's all-reduce, the logged loss costs one scalar all-reduce, tagged "metrics".
+
+    The engine's units' buffers are updated in place (donated: zerofunc/state.py); nothing else of
+    the engine changes. Every rank calls it with its own micro-batches of the same step.
     """
     if len(micro_batches) != engine.grad_accum:
         raise ValueError(f"{len(micro_batches)} micro-batches for {engine.grad_accum} accumulation steps")
     num_items = num_items_in_batch(engine, micro_batches)
     if engine.whole is not None:  # the step compiled whole (zerofunc/whole_step.py)
-        mean = engine.whole(micro_batches, num_items)
-        engine.reduce_data_parallel(mean, tag="metrics")
-        return mean
-    total = None
-    for batch in micro_batches:
-        loss = micro_step_loss(engine, batch, num_items)
-        engine.backward(loss)
-        total = loss.detach().float() if total is None else total + loss.detach().float()
-    engine.step()
-    mean = total / len(micro_batches)
+        after, mean = engine.whole(state, micro_batches, num_items)
+    else:
+        scale = (state.loss_scale.scale if state.loss_scale is not None else 1.0) / len(micro_batches)
+        total = None
+        for i, batch in enumerate(micro_batches):
+            loss = micro_step_loss(engine, batch, num_items)
+            engine.differentiate(loss, scale, boundary=i == len(micro_batches) - 1)
+            total = loss.detach().float() if total is None else total + loss.detach().float()
+        after = engine.update(state)
+        mean = total / len(micro_batches)
     engine.reduce_data_parallel(mean, tag="metrics")
-    return mean
+    return after, StepMetrics(mean, after.grad_norm, applied=after.steps > state.steps)
+
+
+def train_step(engine: ZeroEngine, micro_batches: Sequence[MicroBatch]) -> torch.Tensor:
+    """`step` on the engine's own state (`engine.state`, the imperative API's), which it replaces; the
+    global batch's mean loss."""
+    if engine.micro_step:
+        raise RuntimeError(f"train_step with {engine.micro_step} micro-step(s) of engine.backward() not yet stepped")
+    engine.state, metrics = step(engine, engine.state, micro_batches)
+    return metrics.loss

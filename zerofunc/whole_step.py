@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from dataclasses import replace
 from typing import Optional, Sequence
 
 import torch
@@ -46,6 +47,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from sim.ledger import LedgerEntry
 from zerofunc.binding import installed
 from zerofunc.compiled_graphs import GATHER, WAIT, Collective, CompiledGraphs
+from zerofunc.state import OptimizerState
 
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # torch 2.13 renamed it
 
@@ -108,7 +110,7 @@ class WholeStep:
 
     def __init__(self, engine):
         why = refusal(engine.offload is not None, engine.replicas is not None, engine.gathering.secondary is not None,
-                      engine.optimizer.loss_scaler is not None, engine.checkpointing.on,
+                      engine.state.loss_scale is not None, engine.checkpointing.on,
                       engine.reduce_dtype != engine.units[0].params.dtype)
         if why:
             raise ValueError(why)
@@ -182,8 +184,10 @@ class WholeStep:
             return self._loss(tuple(args), dict(kwargs))
 
     # ---- the step ---------------------------------------------------------------------------------------
-    def __call__(self, micro_batches: Sequence, num_items: Optional[torch.Tensor]) -> torch.Tensor:
-        """Forward and backward of each micro-batch, then the update; the mean of the micro-batches' losses."""
+    def __call__(self, state: OptimizerState, micro_batches: Sequence,
+                 num_items: Optional[torch.Tensor]) -> tuple[OptimizerState, torch.Tensor]:
+        """Forward and backward of each micro-batch, then the update: the state after it, and the mean of the
+        micro-batches' losses."""
         extra = {} if num_items is None else {"num_items_in_batch": num_items}
         total = None
         for batch in micro_batches:
@@ -192,10 +196,9 @@ class WholeStep:
             (loss / len(micro_batches)).backward()
             self.graphs["loss"].backward_ran()
             total = loss.detach() if total is None else total + loss.detach()
-        self._update()
-        return total / len(micro_batches)
+        return self._update(state), total / len(micro_batches)
 
-    def _update(self) -> None:
+    def _update(self, state: OptimizerState) -> OptimizerState:
         opt = self.engine.optimizer
         units = self.engine.units
         grads = [self.leaves[u.name].grad for u in units]
@@ -206,16 +209,16 @@ class WholeStep:
         for leaf in self.leaves.values():
             leaf.grad = None
         grads, norm = self._reduce(grads)
-        opt.grad_norm = norm = float(norm)
+        norm = float(norm)
         if not math.isfinite(norm):
-            opt.nonfinite_steps += 1
-            return
-        opt.step_count += 1
-        lr = opt.lr_schedule(opt.step_count) if opt.lr_schedule is not None else opt.optim.lr
+            return replace(state, grad_norm=norm, nonfinite=state.nonfinite + 1)
+        state = replace(state, grad_norm=norm, steps=state.steps + 1)
+        lr = opt.lr_schedule(state.steps) if opt.lr_schedule is not None else opt.optim.lr
         factor = min(1.0, opt.clip / (norm + 1e-6)) if opt.clip else 1.0
         device = units[0].params.device
         self._apply(grads, *(torch.tensor(x, dtype=torch.float32, device=device)
-                             for x in (factor, lr, opt.step_count)))
+                             for x in (factor, lr, state.steps)))
+        return state
 
     def _reduce_eager(self, grads: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Each unit's gradient of this rank's shard (stages 1-3) or whole (stage 0), averaged over the

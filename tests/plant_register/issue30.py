@@ -16,7 +16,7 @@ PLANTS: list[Plant] = [
           "dropout masks follow the row's place on its rank, not the global sample: rank counts train differently",
           "issue 30 (test_train tolerance)", ("tests/test_train.py::test_dropout_keeps_rank_counts_equivalent",)),
     Plant("resume_restarts_the_step_count", CKPT,
-          'opt.step_count = manifest["optimizer_steps"]', "opt.step_count = 0",
+          'engine.state = OptimizerState(manifest["optimizer_steps"],', "engine.state = OptimizerState(0,",
           "a resume restarts AdamW's bias correction from step 1: the first steps after it are too large",
           "issue 30 (test_checkpoint tolerance)",
           ("tests/test_checkpoint.py::test_resume_at_another_world_size_and_stage",)),

@@ -47,4 +47,10 @@ PLANTS: list[Plant] = [
           "the engine's forwards (a checkpointed, compiled or unwatched block) stay in the caller's modules after "
           "its call: the caller's module is rewritten, and calling it outside the engine runs the engine's code",
           "issue 31", ("tests/test_engine_misuse.py", "-m", "not slow")),
+    Plant("step_writes_the_engines_state", "zerofunc/step.py",
+          "        after = engine.update(state)\n",
+          "        after = engine.state = engine.update(state)\n",
+          "the functional step also writes the state it returns into the engine: a caller holding two states (a "
+          "rollback, an experiment) finds the engine's moved under it, and the step is no function",
+          "issue 31", ("tests/test_step_function.py",)),
 ]
