@@ -10,7 +10,6 @@ from typing import Callable, Optional
 
 import torch
 
-GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")  # as the ledger names them (sim/ledger.py)
 
@@ -18,12 +17,14 @@ OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")  # as the ledg
 @dataclass(frozen=True)
 class Collective:
     """One collective of a graph: `op` as the ledger names it, and its payload as a ledger entry counts it
-    (the whole one: a gather's output, a reduce-scatter's input); `scalar` for a 0-dim payload."""
+    (the whole one: a gather's output, a reduce-scatter's input); `scalar` for a 0-dim payload; `functions`,
+    the Python functions its node's stack trace passes through (where the step's code issued it)."""
 
     op: str
     dtype: torch.dtype
     nbytes: int
     scalar: bool
+    functions: frozenset = frozenset()
 
 
 @dataclass
@@ -141,7 +142,10 @@ def read_collectives(graph: torch.fx.Graph) -> GraphCollectives:
         tensors = [t for t in (payload if isinstance(payload, (list, tuple)) else [payload])
                    if isinstance(t, torch.Tensor)]
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        collectives.append(Collective(op, tensors[0].dtype, nbytes, all(t.dim() == 0 for t in tensors)))
+        trace = n.meta.get("stack_trace") or ""
+        functions = frozenset(line.rsplit(" in ", 1)[1].strip() for line in trace.splitlines()
+                              if line.lstrip().startswith("File ") and " in " in line)
+        collectives.append(Collective(op, tensors[0].dtype, nbytes, all(t.dim() == 0 for t in tensors), functions))
         if op == "all_gather":
             heads = [n] + [a for a in [n.kwargs.get("out")] if isinstance(a, torch.fx.Node)]
             spans.append((where[n], max(_last_alias_use(h, where) for h in heads), nbytes))

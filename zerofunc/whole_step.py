@@ -46,10 +46,10 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from sim.ledger import LedgerEntry
 from zerofunc.binding import installed
-from zerofunc.compiled_graphs import GATHER, WAIT, Collective, CompiledGraphs
+from zerofunc.compiled_graphs import Collective, CompiledGraphs
 from zerofunc.state import OptimizerState
+from zerofunc.whole_collectives import SCATTER, Group, ReduceScatteredGradient, gathered, scattered_gradient
 
-_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # torch 2.13 renamed it
 
 
 def refusal(offload: bool, hybrid: bool, hpz: bool, fp16: bool, checkpointing: bool, reduce_upcast: bool) -> Optional[str]:
@@ -74,24 +74,14 @@ logging.getLogger("torch._higher_order_ops.wrap").addFilter(_KnownCheckpointWarn
 
 
 def _recompute_gathers(ctx, func, *args, **kwargs):
-    """Stage 3's policy: a gathered weight is gathered again in backward, never kept for it."""
-    return CheckpointPolicy.MUST_RECOMPUTE if func in (GATHER, WAIT) else CheckpointPolicy.PREFER_SAVE
+    """Stage 3's policy over the region that gathers a unit's weights, and only that: recomputed in
+    backward, never kept for it (the gather, and for its stand-ins the slots' concatenation)."""
+    return CheckpointPolicy.MUST_RECOMPUTE
 
 
-class _ReduceScatteredGradient(torch.autograd.Function):
-    """Stage 2: the whole weights, as they are; their gradient reduce-scattered onto this rank's shard."""
-
-    @staticmethod
-    def forward(shard, whole, group_name):
-        return whole.view_as(whole)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.group_name = inputs[2]
-
-    @staticmethod
-    def backward(ctx, grad):
-        return funcol.reduce_scatter_tensor(grad, "sum", 0, ctx.group_name), None, None
+def _gathered_with_gradient(shard: torch.Tensor, group: Group) -> torch.Tensor:
+    """Stage 3: every rank's shard, whole; its gradient reduce-scattered onto this rank's shard."""
+    return ReduceScatteredGradient.apply(shard, gathered(shard.detach(), group), group)
 
 
 def _span_in(master: torch.Tensor, params: torch.Tensor) -> Optional[tuple[int, int]]:
@@ -117,6 +107,10 @@ class WholeStep:
         self.engine, self.stage = engine, engine.stage
         group = engine.comm.group if engine.comm.group is not None else dist.group.WORLD
         self.group_name, self.world = group.group_name, engine.comm.world_size
+        # each unit's gather and reduce-scatter issued as the eager communicator issues them (whole_collectives.py)
+        ranks = Group(group.group_name, engine.comm.rank, engine.comm.world_size)
+        self.groups = {u.name: ranks.ops(u.layout.padded_numel * u.params.element_size(), engine.comm.link)
+                       for u in engine.units}
         # each function's graphs, read as compiled and counted into the ledger as they run
         self.graphs = {role: CompiledGraphs(self.backend, engine.overlap.bucket_bytes,
                                             functools.partial(self._issued, role))
@@ -139,9 +133,9 @@ class WholeStep:
         (zerofunc/gather.py, reduction.py, sharded_optim.py). The step waits for a scalar (the norm) at once."""
         comm = self.engine.comm
         for c in collectives:
-            if role == "loss":
-                tag = "params.bwd" if phase == "backward" and c.op == "all_gather" else \
-                    "grads" if c.op == "reduce_scatter" else "params.fwd"
+            if role == "loss":  # a gradient's reduce-scatter (or its stand-in), else a gather (or its stand-ins)
+                tag = "grads" if c.op == "reduce_scatter" or SCATTER in c.functions else \
+                    "params.bwd" if phase == "backward" else "params.fwd"
             else:
                 tag = ("grad_norm" if c.scalar else "grads") if role == "reduce" else "params.step"
             comm.ledger.append(LedgerEntry(c.op, str(c.dtype).removeprefix("torch."), c.nbytes, self.world, tag,
@@ -150,13 +144,12 @@ class WholeStep:
     # ---- forward and backward ------------------------------------------------------------------------
     def _whole_weights(self, unit) -> dict[str, torch.Tensor]:
         """The unit's parameters, whole, as this stage brings them in (see the module's docstring)."""
-        leaf = self.leaves[unit.name]
+        leaf, group = self.leaves[unit.name], self.groups[unit.name]
         if self.stage.shard_params:
-            whole = checkpoint(funcol.all_gather_tensor_autograd, leaf, 0, self.group_name, use_reentrant=False,
-                               preserve_rng_state=False,
+            whole = checkpoint(_gathered_with_gradient, leaf, group, use_reentrant=False, preserve_rng_state=False,
                                context_fn=functools.partial(create_selective_checkpoint_contexts, _recompute_gathers))
         elif self.stage.shard_grads:
-            whole = _ReduceScatteredGradient.apply(leaf, unit.params, self.group_name)
+            whole = ReduceScatteredGradient.apply(leaf, unit.params, group)
         else:
             whole = leaf
         # slices, not one split: a split's views are outputs of one multi-output op, which dynamo refuses to
@@ -226,7 +219,7 @@ class WholeStep:
         out, squares = [], []
         for unit, g in zip(self.engine.units, grads):
             if self.stage.shard_optimizer and not self.stage.shard_grads:  # stage 1: at the boundary, as eager
-                g = funcol.reduce_scatter_tensor(g, "sum", 0, self.group_name)
+                g = scattered_gradient(g, self.groups[unit.name])
             elif not self.stage.shard_optimizer:  # stage 0
                 g = funcol.all_reduce(g, "sum", self.group_name)
             g = g / self.world  # summed: here, or by backward's reduce-scatters (stages 2-3)
@@ -255,6 +248,6 @@ class WholeStep:
                 denom = (unit.v.sqrt() / torch.sqrt(1 - beta2 ** step)).add_(cfg.eps)
                 master.sub_(unit.m / denom * (lr / (1 - beta1 ** step)))
                 if self.stage.shard_optimizer and not self.stage.shard_params:
-                    unit.params.copy_(_all_gather(master.to(unit.params.dtype), 0, self.group_name))
+                    unit.params.copy_(gathered(master.to(unit.params.dtype), self.groups[unit.name]))
                 elif span is None:  # 16-bit weights: the master's new rounding
                     unit.params.copy_(master)
