@@ -21,7 +21,8 @@ from zerofunc.stages import STAGES
 from zerofunc.step import train_step
 
 CFG = GPTConfig(n_layer=3, n_head=2, n_embd=24, vocab_size=40, block_size=16)
-SMALL = GPTConfig(n_layer=2, n_head=2, n_embd=24, vocab_size=40, block_size=16)  # inductor's C++ is the cost
+# inductor's C++ is the cost; three blocks, so that a block gathered ahead is told from all of them gathered
+SMALL = GPTConfig(n_layer=3, n_head=2, n_embd=24, vocab_size=40, block_size=16)
 STEPS, ACCUM, CLIP = 3, 2, 0.05  # a clip below the gradients' norm, so every step clips (asserted)
 
 
@@ -121,12 +122,13 @@ def _bytes_by_op_and_tag(ledger) -> Counter:
 
 
 @pytest.mark.slow
-def test_compiled_stage_3_keeps_one_gathered_block():
-    """Stage 3 compiled whole, its bucket below one block, on 2 ranks: the forward graph gathers the root
-    (held for the whole forward, as eager holds it) and then each block once, with the root and one block
-    at most alive together; the backward graph gathers each block once more, just before its backward,
-    and reduce-scatters every unit; its gathered bytes also stay within root + one block. Inductor's own
-    bucketing (tests/plants.py: whole_step_bucket_cap_ignored) gathers the whole model at once.
+def test_compiled_stage_3_keeps_its_blocks_and_the_prefetched_gathered():
+    """Stage 3 compiled whole, its bucket below one block, the prefetch depth 1, on 2 ranks: the forward
+    graph gathers the root (held for the whole forward, as eager holds it) and then each block once, the
+    next one issued while a block computes, with the root and two blocks at most alive together (as eager
+    holds them); the backward graph gathers each block once more, just before its backward, and
+    reduce-scatters every unit; its gathered bytes stay within root + one block. Inductor's own bucketing
+    (tests/plants.py: whole_step_bucket_cap_ignored) gathers the whole model at once.
 
     The step's ledger, written as inductor's graphs ran (bucketed), moves the eager step's bytes for each
     collective and tag."""
@@ -137,8 +139,8 @@ def test_compiled_stage_3_keeps_one_gathered_block():
     assert gathers(forward) == [root] + [block] * SMALL.n_layer, forward[1]
     assert sorted(gathers(backward)) == sorted([root] + [block] * SMALL.n_layer), backward[1]
     assert sum(1 for op, _ in backward[1] if op == "reduce_scatter") == units, backward[1]
-    for name, (_, _, peak) in (("forward", forward), ("backward", backward)):
-        assert peak <= root + block, f"{name}: {peak} bytes gathered at once, over root + one block ({root + block})"
+    for name, (_, _, peak), bound in (("forward", forward, root + 2 * block), ("backward", backward, root + block)):
+        assert peak <= bound, f"{name}: {peak} bytes gathered at once, over the bound ({bound})"
     assert whole_volume == eager_volume
 
 

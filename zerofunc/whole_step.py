@@ -122,6 +122,7 @@ class WholeStep:
                                 and not self.stage.shard_params else u.params.detach()).requires_grad_()
                        for u in engine.units}
         self._master_spans = [_span_in(u.master, u.params) for u in engine.units]
+        self._prefetched: dict[str, dict[str, torch.Tensor]] = {}
         # set in the caller's blocks while the step's forward runs (zerofunc/binding.py)
         self._forwards = {u.module: self._block_forward(u, u.module.forward) for u in engine.gathering.blocks}
         self._loss = compiled(self._loss_eager, "loss")
@@ -158,18 +159,28 @@ class WholeStep:
 
     def _block_forward(self, unit, forward):
         cut = len(unit.name) + 1
+        blocks = self.engine.gathering.blocks
+        ahead = blocks[blocks.index(unit) + 1:blocks.index(unit) + 1 + self.engine.overlap.prefetch_depth]
 
         @functools.wraps(forward)
         def run(*args, **kwargs):
-            with _reparametrize_module(unit.module, {k[cut:]: v for k, v in self._whole_weights(unit).items()}):
+            weights = self._prefetched.pop(unit.name, None) or self._whole_weights(unit)
+            if self.stage.shard_params:  # the next blocks' gathers issued now, to run while this block computes
+                for nxt in ahead:
+                    if nxt.name not in self._prefetched:
+                        self._prefetched[nxt.name] = self._whole_weights(nxt)
+            with _reparametrize_module(unit.module, {k[cut:]: v for k, v in weights.items()}):
                 return forward(*args, **kwargs)
         return run
 
     def _loss_eager(self, args: tuple, kwargs: dict) -> torch.Tensor:
         from zerofunc.step import loss_of
         root = self.engine._root
+        self._prefetched = {}  # stage 3: blocks gathered ahead of their forward, by name
         views = self._whole_weights(root) if root is not None else {}
-        return loss_of(functional_call(self.engine.model, views, args, kwargs, strict=False)).float()
+        loss = loss_of(functional_call(self.engine.model, views, args, kwargs, strict=False)).float()
+        self._prefetched = {}
+        return loss
 
     def loss(self, args: tuple, kwargs: dict) -> torch.Tensor:
         """The model's loss on one micro-batch, through the compiled forward (also for evaluation)."""

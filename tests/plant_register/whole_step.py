@@ -19,7 +19,7 @@ PLANTS: list[Plant] = [
           "            bucketing.bucket_all_gather(graph.owning_module)\n",
           "the compiled step buckets gathers at inductor's default cap (2000 MB): stage 3 gathers the whole model "
           "at once, undoing ZeRO-3's memory",
-          "issue 31", ("tests/test_whole_step.py::test_compiled_stage_3_keeps_one_gathered_block",)),
+          "issue 31", ("tests/test_whole_step.py::test_compiled_stage_3_keeps_its_blocks_and_the_prefetched_gathered",)),
     Plant("trainer_runs_the_whole_step_under_the_tracker", "train/loop.py",
           "            with tracker if engine.whole is None else contextlib.nullcontext():\n",
           "            with tracker:\n",
