@@ -197,8 +197,7 @@ class ZeroEngine(BlockHooks, WholeState):
         accumulation count (and multiplied by the fp16 loss scale), so gradients sum to the big batch's.
         The engine counts the micro-steps for this call and `step()`: the imperative API's state
         (zerofunc/step.py's `step` takes its state as an argument instead)."""
-        scaler = self.state.loss_scale
-        self.differentiate(loss, (scaler.scale if scaler else 1.0) / self.grad_accum,
+        self.differentiate(loss, self.state.loss_multiplier / self.grad_accum,
                            boundary=self.micro_step + 1 == self.grad_accum)
         self.micro_step += 1
 

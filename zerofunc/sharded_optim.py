@@ -52,7 +52,6 @@ class ShardedAdamW:
         if factor is None:
             self._clear_grads()
             return state
-        state = replace(state, steps=state.steps + 1)
         if lr is None and self.lr_schedule is not None:
             lr = self.lr_schedule(state.steps)
         for unit in self.units:
@@ -138,6 +137,15 @@ class ShardedAdamW:
             self.comm.all_reduce(stats, tag="grad_norm", mean=False)
         stats[0:1].sqrt_()  # the norm, in fp32 as before
         norm, found_inf = (stats.tolist() + [0.0])[:2] if device.type != "meta" else (0.0, 0.0)
+        return self.decide(state, norm, found_inf)
+
+    def decide(self, state: OptimizerState, norm: float,
+               found_inf: float = 0.0) -> tuple[OptimizerState, Optional[float]]:
+        """What a boundary's global norm (of the unscaled gradients) decides, for this step and the step
+        compiled whole alike: the state after it (the norm logged, fp16's scale adapted, the step counted
+        as taken, skipped or non-finite) and the factor the gradients are multiplied by (1 / loss scale
+        times the clip coefficient), None where the step is not taken."""
+        scaler = state.loss_scale
         state = replace(state, grad_norm=norm)  # of the step's (unscaled, unclipped) gradients, for the log
         factor = 1.0
         if scaler is not None:
@@ -150,7 +158,7 @@ class ShardedAdamW:
             return replace(state, nonfinite=state.nonfinite + 1), None
         if self.clip:  # as torch.nn.utils.clip_grad_norm_
             factor *= min(1.0, self.clip / (norm + 1e-6))
-        return state, factor
+        return replace(state, steps=state.steps + 1), factor
 
     def _clear_grads(self) -> None:
         for unit in self.units:

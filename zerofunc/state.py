@@ -24,6 +24,11 @@ class OptimizerState:
     grad_norm: float = math.nan               # the last boundary's global norm (unscaled, before clipping)
     loss_scale: Optional[LossScaler] = None   # fp16's loss scale (zerofunc/loss_scale.py)
 
+    @property
+    def loss_multiplier(self) -> float:
+        """What backward multiplies the loss by: fp16's scale, else 1."""
+        return self.loss_scale.scale if self.loss_scale is not None else 1.0
+
 
 @dataclass(frozen=True)
 class StepMetrics:

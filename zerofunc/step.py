@@ -127,7 +127,7 @@ def step(engine: ZeroEngine, state: OptimizerState,
     if engine.whole is not None:  # the step compiled whole (zerofunc/whole_step.py)
         after, mean = engine.whole(state, micro_batches, num_items)
     else:
-        scale = (state.loss_scale.scale if state.loss_scale is not None else 1.0) / len(micro_batches)
+        scale = state.loss_multiplier / len(micro_batches)
         total = None
         for i, batch in enumerate(micro_batches):
             loss = micro_step_loss(engine, batch, num_items)

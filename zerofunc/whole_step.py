@@ -22,7 +22,7 @@ The compiler's collective passes are this module's decisions too (zerofunc/compi
 bucketing would merge every gather of the model into one (its cap is 2000 MB) and so hold every block
 gathered at once; here gathers and reduce-scatters are bucketed up to the overlap bucket size, and the
 comm-reordering passes stay off. What the graphs then hold is read back from them (`WholeStep.graphs`):
-tests/test_whole_step.py holds stage 3 to one gathered block at a time. Each run of a graph writes its
+tests/test_whole_step.py holds stage 3 to its block and the prefetched one. Each run of a graph writes its
 collectives in the communicator's ledger, tagged as the eager step tags the same bytes, so the ledger of a
 step compiled whole is the eager step's (the planner's), bucketed: tests/test_whole_step.py holds it so.
 
@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
-from dataclasses import replace
 from typing import Optional, Sequence
 
 import torch
@@ -213,12 +211,10 @@ class WholeStep:
         for leaf in self.leaves.values():
             leaf.grad = None
         grads, norm = self._reduce(grads)
-        norm = float(norm)
-        if not math.isfinite(norm):
-            return replace(state, grad_norm=norm, nonfinite=state.nonfinite + 1)
-        state = replace(state, grad_norm=norm, steps=state.steps + 1)
+        state, factor = opt.decide(state, float(norm))  # as the eager optimizer decides (no fp16 here)
+        if factor is None:
+            return state
         lr = opt.lr_schedule(state.steps) if opt.lr_schedule is not None else opt.optim.lr
-        factor = min(1.0, opt.clip / (norm + 1e-6)) if opt.clip else 1.0
         device = units[0].params.device
         self._apply(grads, *(torch.tensor(x, dtype=torch.float32, device=device)
                              for x in (factor, lr, state.steps)))
