@@ -14,7 +14,7 @@
 # PARTs, in the order they run by default (each fits the device tool's 10-minute call):
 #   env calibrate check-small pytest      (about 3 minutes on an H100)
 #   check-medium train adamw check-reduce (about 3 minutes on an H100, 2026-11-26)
-#   whole                                 (not yet run: --compile whole at stages 0 and 3, 1 GPU)
+#   whole                                 (about 2 minutes on an H200, 2026-11-27: --compile whole at stages 0 and 3, 1 GPU)
 #   snapshot                              (on demand: the allocator's blocks at two cells' peaks)
 # A part that fails is reported and the next one still runs; the exit code is the
 # number of failed parts.

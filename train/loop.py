@@ -96,7 +96,8 @@ def train_rank(args: TrainArgs) -> dict:
     progress = Progress(first, args.steps) if rank == 0 else None
     start = time.perf_counter()
     loss_mean = float("nan")
-    totals = {"peak_bytes": 0, "comm_bytes": 0, "tokens": 0, "whole": args.compile == "whole"}
+    totals = {"peak_bytes": 0, "comm_bytes": 0, "tokens": 0,
+              "whole_on_cpu": args.compile == "whole" and tracker is not None}
     for step in range(first, args.steps + 1):
         mark_step(step)
         if stop.stop_before(step):

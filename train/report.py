@@ -46,8 +46,8 @@ def summary(per_rank: list[dict], steps: int) -> str:
              f"peak memory per rank: {peaks}",
              f"communication: {r0['comm_bytes'] / GiB:.3f} GiB in all, {r0['comm_bytes'] / max(steps, 1) / 2**20:.2f} MiB "
              f"per step (ZeRO-paper volume, per rank)"]
-    if r0.get("whole"):  # zerofunc/whole_step.py
-        lines.append("peak memory (--compile whole): the engine's buffers, not the compiled step's own on CPU; the "
+    if r0.get("whole_on_cpu"):  # train/loop.py: the CPU tracker would make the compiled step run eagerly
+        lines.append("peak memory (--compile whole on CPU): the engine's buffers, not the compiled step's own; the "
                      "communication is read from the compiled graphs as they ran")
     return "\n".join(lines)
 
