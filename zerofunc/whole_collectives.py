@@ -68,7 +68,12 @@ class ReduceScatteredGradient(torch.autograd.Function):
 
     @staticmethod
     def forward(shard, whole, group):
-        return whole.view_as(whole)
+        # a copy, not a view: where the model breaks the graph (Hugging Face's GPT-2 does, at a warning) the
+        # weights leave a graph as its outputs, and AOTAutograd regenerates an output that aliases an input
+        # needing no gradient (stage 2's whole weights) from that input, cutting this function off: no
+        # gradient would reach the shard. Inside one graph inductor removes the copy (its noop pass; measured
+        # at stage 2: the forward saves the same bytes with it as without)
+        return whole.clone()
 
     @staticmethod
     def setup_context(ctx, inputs, output):

@@ -31,4 +31,10 @@ PLANTS: list[Plant] = [
           "the compiled step gathers with gloo's own all-gather where the eager step issues broadcasts: 2-5x "
           "slower on gloo, and its ledger is not the eager step's (nor the plan's)",
           "issue 31", ("tests/test_whole_step.py", "-k", "stand-ins")),
+    Plant("whole_step_stage_2_weights_a_view", "zerofunc/whole_collectives.py",
+          "        return whole.clone()\n", "        return whole.view_as(whole)\n",
+          "stage 2's whole weights enter the compiled forward as a view of weights that need no gradient: where the "
+          "model breaks the graph (Hugging Face's GPT-2) AOTAutograd regenerates them outside it, and no gradient "
+          "reaches the root unit",
+          "issue 31", ("tests/test_whole_step.py::test_a_hugging_face_gpt2_compiled_whole_trains_like_eager_at_stage_2",)),
 ]
