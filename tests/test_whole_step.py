@@ -54,12 +54,12 @@ def _every_stand_in(op: str, nbytes: int, n: int, link) -> str:
 
 def _compare_stages(ops: str):
     import zerofunc.comm
-    import zerofunc.whole_collectives
+    import zerofunc.collectives
     from zerofunc.whole_step import WholeStep
     WholeStep.backend = "aot_eager"  # traced and partitioned as under inductor, without its C++ codegen
     stages = list(STAGES)
     if ops == "stand-ins":  # stage 0 only all-reduces, which nothing stands in for
-        zerofunc.comm.issued_as = zerofunc.whole_collectives.issued_as = _every_stand_in
+        zerofunc.comm.issued_as = zerofunc.collectives.issued_as = _every_stand_in
         stages.remove(0)
     out = {}
     for stage in stages:

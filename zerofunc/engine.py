@@ -35,6 +35,7 @@ from torch.func import functional_call
 
 from zerofunc.binding import installed
 from zerofunc.block_hooks import BlockHooks
+from zerofunc.collectives import data_parallel_sum
 from zerofunc.comm import Communicator
 from zerofunc.config import COMPILE_MODES
 from zerofunc.engine_state import WholeState
@@ -244,9 +245,7 @@ class ZeroEngine(BlockHooks, WholeState):
     def reduce_data_parallel(self, t: torch.Tensor, tag: str, mean: bool = True) -> None:
         """All-reduce `t` over every data-parallel rank: the shard group, then the replicas (equal
         groups, so the mean of their means is the mean)."""
-        self.comm.all_reduce(t, tag=tag, mean=mean)
-        if self.replicas is not None:
-            self.replicas.all_reduce(t, tag=tag, mean=mean)
+        data_parallel_sum(self.comm, self.replicas, t, tag, mean=mean)
 
     # ---- optimizer ---------------------------------------------------------------
     def step(self, lr: Optional[float] = None) -> bool:

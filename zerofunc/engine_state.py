@@ -6,6 +6,7 @@ from typing import Callable
 
 import torch
 
+from zerofunc.collectives import gather_weights
 from zerofunc.units import Unit
 
 
@@ -36,7 +37,7 @@ class WholeState:
             flat = get(unit).to(unit.params.device)  # an offloaded master is on the host
             if sharded:
                 whole = torch.empty(unit.layout.padded_numel, device=flat.device, dtype=flat.dtype)
-                self.comm.all_gather(whole, flat, tag="export")
+                gather_weights(self.comm, whole, flat, "export")
                 flat = whole
             out.update({k: v.clone() for k, v in unit.layout.views(flat).items()})
         return out

@@ -27,6 +27,7 @@ from typing import Optional
 
 import torch
 
+from zerofunc.collectives import gather_weights
 from zerofunc.comm import Communicator
 from zerofunc.layout import shard
 from zerofunc.overlap import Overlap
@@ -63,10 +64,10 @@ class UnitGathering:
             unit.full.untyped_storage().resize_(unit.full.numel() * unit.full.element_size())
             self.memory.resized(unit.full)
             if unit.secondary is not None and tag == "params.bwd":  # hpZ: from the node's copies
-                handle = self.secondary.all_gather(unit.full, unit.secondary, tag=tag, async_op=prefetch)
+                handle = gather_weights(self.secondary, unit.full, unit.secondary, tag, async_op=prefetch)
             else:
                 unit.secondary = None  # forward reads the shards the optimizer updates
-                handle = self.comm.all_gather(unit.full, unit.params, tag=tag, async_op=prefetch)
+                handle = gather_weights(self.comm, unit.full, unit.params, tag, async_op=prefetch)
             unit.gathering, unit.gathered = (handle if prefetch else None), True
             if not prefetch:
                 unit.secondary = None

@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from zerofunc.collectives import all_reduce_gradient, average_over_replicas, reduce_scatter_gradient
 from zerofunc.comm import Communicator
 from zerofunc.layout import shard
 from zerofunc.offload import OptimizerOffload
@@ -50,7 +51,7 @@ class GradientReduction:
                 return
             if not stage.shard_optimizer:
                 unit.grad = unit.local_grad
-                self._reducing.add(comm.all_reduce(unit.local_grad, tag="grads", async_op=overlapped), nbytes)
+                self._reducing.add(all_reduce_gradient(comm, unit.local_grad, async_op=overlapped), nbytes)
                 return
         self.memory.track(grad, "buffers" if stage.shard_grads else "grads")  # 2-3: only sent; 1: the gradient kept
         reduced = None  # ZeRO-1 keeps the full gradient: the reduced shard lands in its own slice
@@ -71,12 +72,12 @@ class GradientReduction:
             if self.replicas is not None and boundary:
                 # the shard's mean over the replicas, once a step, in flight behind the rest of backward
                 shard_bytes = unit.grad.numel() * unit.grad.element_size()
-                self._reducing.add(self.replicas.all_reduce(unit.grad, tag="grads.replicas", async_op=
-                                                            self._reducing.overlaps(shard_bytes)), shard_bytes, then)
+                self._reducing.add(average_over_replicas(self.replicas, unit.grad, async_op=
+                                                         self._reducing.overlaps(shard_bytes)), shard_bytes, then)
             elif then is not None:
                 then()
 
-        self._reducing.add(comm.reduce_scatter(reduced, sent, tag="grads", async_op=overlapped), nbytes, done)
+        self._reducing.add(reduce_scatter_gradient(comm, reduced, sent, async_op=overlapped), nbytes, done)
 
     def drain(self) -> None:
         """Wait for every reduction in flight, in launch order (the same on every rank)."""

@@ -16,6 +16,7 @@ from typing import Callable, Optional
 import torch
 
 from sim.placement import placed
+from zerofunc.collectives import gather_weights, sum_over_ranks
 from zerofunc.comm import Communicator
 from zerofunc.fused import adamw_fused_, unscale_
 from zerofunc.optim import AdamWConfig
@@ -71,7 +72,7 @@ class ShardedAdamW:
         if out is not None:
             out.copy_(unit.master)
         if gather:
-            self.comm.all_gather(unit.params, out, tag="params.load")
+            gather_weights(self.comm, unit.params, out, "params.load")
 
     def _update(self, unit: Unit, lr: Optional[float], factor: float, t: int) -> None:
         """AdamW on one unit's master; the same pass writes the weights' new rounding or the send buffer.
@@ -88,7 +89,7 @@ class ShardedAdamW:
                              grad_scale=factor, out=out)
         if gather:  # runs behind the next unit's update, within the bucket size
             nbytes = unit.params.numel() * unit.params.element_size()
-            handle = self.comm.all_gather(unit.params, out, tag="params.step", async_op=self._gathering.overlaps(nbytes))
+            handle = gather_weights(self.comm, unit.params, out, "params.step", async_op=self._gathering.overlaps(nbytes))
             self._gathering.add(handle, nbytes, holds=(out,))
 
     def _weights_out(self, unit: Unit) -> tuple[Optional[torch.Tensor], bool]:
@@ -134,7 +135,7 @@ class ShardedAdamW:
                          else torch.linalg.vector_norm(unit.grad, dtype=torch.float32).square().reshape(1))
                 stats += local.to(device)
         if self.stage.shard_optimizer:
-            self.comm.all_reduce(stats, tag="grad_norm", mean=False)
+            sum_over_ranks(self.comm, stats)
         stats[0:1].sqrt_()  # the norm, in fp32 as before
         norm, found_inf = (stats.tolist() + [0.0])[:2] if device.type != "meta" else (0.0, 0.0)
         return self.decide(state, norm, found_inf)

@@ -37,7 +37,6 @@ from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch.func import functional_call
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -46,7 +45,7 @@ from sim.ledger import LedgerEntry
 from zerofunc.binding import installed
 from zerofunc.compiled_graphs import Collective, CompiledGraphs
 from zerofunc.state import OptimizerState
-from zerofunc.whole_collectives import SCATTER, Group, ReduceScatteredGradient, gathered, scattered_gradient
+from zerofunc.collectives import SCATTER, Group, ReduceScatteredGradient, gathered, scattered_gradient, summed
 
 
 
@@ -105,8 +104,8 @@ class WholeStep:
         self.engine, self.stage = engine, engine.stage
         group = engine.comm.group if engine.comm.group is not None else dist.group.WORLD
         self.group_name, self.world = group.group_name, engine.comm.world_size
-        # each unit's gather and reduce-scatter issued as the eager communicator issues them (whole_collectives.py)
-        ranks = Group(group.group_name, engine.comm.rank, engine.comm.world_size)
+        # each unit's gather and reduce-scatter issued as the eager communicator issues them (collectives.py)
+        self.ranks = ranks = Group(group.group_name, engine.comm.rank, engine.comm.world_size)
         self.groups = {u.name: ranks.ops(u.layout.padded_numel * u.params.element_size(), engine.comm.link)
                        for u in engine.units}
         # each function's graphs, read as compiled and counted into the ledger as they run
@@ -228,13 +227,13 @@ class WholeStep:
             if self.stage.shard_optimizer and not self.stage.shard_grads:  # stage 1: at the boundary, as eager
                 g = scattered_gradient(g, self.groups[unit.name])
             elif not self.stage.shard_optimizer:  # stage 0
-                g = funcol.all_reduce(g, "sum", self.group_name)
+                g = summed(g, self.ranks)
             g = g / self.world  # summed: here, or by backward's reduce-scatters (stages 2-3)
             out.append(g)
             squares.append(torch.linalg.vector_norm(g, dtype=torch.float32).square())
         total = torch.stack(squares).sum()
         if self.stage.shard_optimizer:
-            total = funcol.all_reduce(total, "sum", self.group_name)
+            total = summed(total, self.ranks)
         return out, total.sqrt()
 
     def _apply_eager(self, grads: list[torch.Tensor], factor: torch.Tensor, lr: torch.Tensor,

@@ -39,7 +39,7 @@ PLAN, HYBRID_REPLICAS = "zerofunc/plan/__init__.py", (
     "            if self.replicas is not None and boundary:\n"
     "                # the shard's mean over the replicas, once a step, in flight behind the rest of backward\n"
     "                shard_bytes = unit.grad.numel() * unit.grad.element_size()\n"
-    '                self._reducing.add(self.replicas.all_reduce(unit.grad, tag="grads.replicas", async_op=\n')
+    '                self._reducing.add(average_over_replicas(self.replicas, unit.grad, async_op=\n')
 EQ1 = "tests/test_equivalence.py::test_every_stage_trains_like_one_device[1]"
 EQ2 = "tests/test_equivalence.py::test_every_stage_trains_like_one_device[2]"
 HYBRID2 = "tests/test_hybrid.py::test_hybrid_sharding_trains_like_one_device[2]"

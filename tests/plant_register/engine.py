@@ -10,8 +10,8 @@ PLANTS: list[Plant] = [
           "AdamW's first moment is never written back: every step starts from m = 0, momentum is lost",
           "issue 30 review", (EQ1,)),
     Plant("hybrid_grad_norm_over_replicas", OPT,
-          '            self.comm.all_reduce(stats, tag="grad_norm", mean=False)\n',
-          '            self.comm.all_reduce(stats, tag="grad_norm", mean=False)\n'
+          '            sum_over_ranks(self.comm, stats)\n',
+          '            sum_over_ranks(self.comm, stats)\n'
           '            if getattr(self, "replicas", None) is not None:\n'
           '                self.replicas.all_reduce(stats, tag="grad_norm", mean=False)\n',
           "hybrid sharding's gradient norm also sums over the replicas (sqrt(R) too large): clipping clips too hard",
@@ -47,9 +47,9 @@ PLANTS: list[Plant] = [
           "each rank's shard starts one element early: ranks overlap and one element is nobody's",
           "issue 22 note; TESTS.md", ("tests/test_layout.py",)),
     Plant("one_unit_reduction_skipped", RED,
-          '                self._reducing.add(comm.all_reduce(unit.local_grad, tag="grads", async_op=overlapped), nbytes)\n',
+          '                self._reducing.add(all_reduce_gradient(comm, unit.local_grad, async_op=overlapped), nbytes)\n',
           '                if unit.name != "":\n'
-          '                    self._reducing.add(comm.all_reduce(unit.local_grad, tag="grads", async_op=overlapped), nbytes)\n',
+          '                    self._reducing.add(all_reduce_gradient(comm, unit.local_grad, async_op=overlapped), nbytes)\n',
           "stage 0 never all-reduces the root unit's gradient: the embedding drifts apart on every rank",
           "issue 22 note; TESTS.md", (EQ2,)),
     Plant("clipping_before_the_reduction", ENG,
@@ -77,9 +77,9 @@ PLANTS: list[Plant] = [
           "dropout masks come from each rank's global RNG: N ranks no longer train like one device",
           "issue 2 note", ("tests/test_equivalence.py", *FAST)),
     Plant("fp16_overflow_decided_per_rank", OPT,
-          '            self.comm.all_reduce(stats, tag="grad_norm", mean=False)\n',
+          '            sum_over_ranks(self.comm, stats)\n',
           '            found = stats[1:].clone()\n'
-          '            self.comm.all_reduce(stats, tag="grad_norm", mean=False)\n'
+          '            sum_over_ranks(self.comm, stats)\n'
           '            if scaler is not None:  # each rank judges its own gradients\n'
           '                stats[0:1] = torch.where(found > 0, stats[0:1], stats[0:1].nan_to_num(0.0, 0.0, 0.0))\n'
           '                stats[1:] = found\n',

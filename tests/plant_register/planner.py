@@ -55,7 +55,8 @@ PLANTS: list[Plant] = [
           "issue 25 note", (HYBRID2,)),
     Plant("hybrid_replicas_summed_every_micro_step", RED, HYBRID_REPLICAS,
           HYBRID_REPLICAS.replace("is not None and boundary:", "is not None:").replace(
-              'tag="grads.replicas", async_op=', 'tag="grads.replicas", mean=False, async_op='),
+              "average_over_replicas(self.replicas, unit.grad, async_op=",
+              'self.replicas.all_reduce(unit.grad, tag="grads.replicas", mean=False, async_op='),
           "hybrid sharding sums over the replicas every micro-step, without the 1/N", "issue 25 note", (HYBRID2,)),
     Plant("tracker_drops_gradients", "sim/memory.py",
           "            self._change(entry, category, entry[1], host)\n",

@@ -26,12 +26,12 @@ PLANTS: list[Plant] = [
           "the CPU trainer's memory tracker (a dispatch mode) is entered around the step compiled whole: torch.compile "
           "then runs it eagerly, silently, and --compile whole on CPU compiles nothing",
           "issue 31", ("tests/test_whole_step.py::test_the_trainer_compiles_the_step_whole_on_cpu",)),
-    Plant("whole_step_ignores_the_stand_ins", "zerofunc/whole_collectives.py",
+    Plant("whole_step_ignores_the_stand_ins", "zerofunc/collectives.py",
           "    op = group.gather_op\n", '    op = "all_gather"\n',
           "the compiled step gathers with gloo's own all-gather where the eager step issues broadcasts: 2-5x "
           "slower on gloo, and its ledger is not the eager step's (nor the plan's)",
           "issue 31", ("tests/test_whole_step.py", "-k", "stand-ins")),
-    Plant("whole_step_stage_2_weights_a_view", "zerofunc/whole_collectives.py",
+    Plant("whole_step_stage_2_weights_a_view", "zerofunc/collectives.py",
           "        return whole.clone()\n", "        return whole.view_as(whole)\n",
           "stage 2's whole weights enter the compiled forward as a view of weights that need no gradient: where the "
           "model breaks the graph (Hugging Face's GPT-2) AOTAutograd regenerates them outside it, and no gradient "
