@@ -15,6 +15,8 @@
 #   env calibrate check-small pytest      (about 3 minutes on an H100)
 #   check-medium train adamw check-reduce (about 3 minutes on an H100, 2026-11-26)
 #   whole                                 (about 2 minutes on an H200, 2026-11-27: --compile whole at stages 0 and 3, 1 GPU)
+#   ab                                    (on demand, its own call, about 8 minutes; OLD_TREE=DIR: an older commit's trainer beside this one,
+#                                          gpt2-small stages 0 and 3, compiled blocks and eager, in turn, twice)
 #   snapshot                              (on demand: the allocator's blocks at two cells' peaks)
 # A part that fails is reported and the next one still runs; the exit code is the
 # number of failed parts.
@@ -26,6 +28,7 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export ZEROFUNC_PROFILES="$OUT/profiles.json"  # what calibrate records, every later part reads
 PY=${PYTHON:-python}
+case $PY in */*) PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY") ;; esac  # absolute: part ab runs in another tree
 failed=0
 
 LIMIT=0  # seconds a part may run (PART:SECONDS), 0 for no limit
@@ -68,6 +71,16 @@ torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory)
     whole) for stage in 0 3; do  # the step compiled whole (funcol on NCCL), beside train's compiled blocks
              run "train-whole-s$stage" $PY -m train --model gpt2-small --nproc 1 --precision bf16 --steps 50 \
                --stage "$stage" --compile whole --out "$OUT/train-whole-s$stage"; done ;;
+    ab) if [ -z "${OLD_TREE:-}" ] || [ ! -d "$OLD_TREE/train" ]; then  # an older commit's files, beside the checkout's
+          echo "ab: set OLD_TREE to a directory holding an older commit's files (git archive COMMIT | tar -x -C DIR)" \
+            | tee -a "$OUT/parts.txt"; failed=$((failed + 1)); return; fi
+        for round in 1 2; do for mode in --compile --no-compile; do for stage in 0 3; do for tree in "$OLD_TREE" .; do
+          name=ab-$([ "$tree" = . ] && echo new || echo old)-s$stage$mode-$round  # old and new in turn, twice
+          run "$name" bash -c "cd '$tree' && PYTHONPATH=. $PY -m train --model ${AB_MODEL:-gpt2-small} --nproc 1 \
+            --precision ${AB_PRECISION:-bf16} --steps ${AB_STEPS:-30} --stage $stage $mode --out '$OUT/$name'"
+          echo "$name: $($PY benchmarks/mfu.py "$OUT/$name/metrics.jsonl" --model ${AB_MODEL:-gpt2-small} --seq 128 2>&1 \
+            | tail -1)" | tee -a "$OUT/ab.txt"
+        done; done; done; done ;;
     snapshot) for cell in "0 1" "3 64"; do set -- $cell
            run "snapshot-s$1-w$2" $PY benchmarks/cuda_memory_snapshot.py --model gpt2-small --stage "$1" --world-size "$2"; done ;;
     adamw) run adamw-fp32 $PY benchmarks/fused_adamw.py

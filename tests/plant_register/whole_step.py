@@ -30,7 +30,7 @@ PLANTS: list[Plant] = [
           "    op = group.gather_op\n", '    op = "all_gather"\n',
           "the compiled step gathers with gloo's own all-gather where the eager step issues broadcasts: 2-5x "
           "slower on gloo, and its ledger is not the eager step's (nor the plan's)",
-          "issue 31", ("tests/test_whole_step.py", "-k", "stand-ins")),
+          "issue 31", ("tests/test_whole_step.py::test_the_whole_step_trains_like_eager_and_sends_what_it_sends",)),
     Plant("whole_step_stage_2_weights_a_view", "zerofunc/collectives.py",
           "        return whole.clone()\n", "        return whole.view_as(whole)\n",
           "stage 2's whole weights enter the compiled forward as a view of weights that need no gradient: where the "
