@@ -1,75 +1,79 @@
-"""The engine's own CPU cost per step, where the model's compute is too small to hide it.
+"""What one training step costs the host, counted, not timed: the Python calls (cProfile) and the aten ops
+(a dispatch mode) of one step, and its median time. Counts do not move with the machine's load, so an older
+commit's engine and this one are compared on a busy 2-core box; on a GPU, a step too small to hide the host's
+work runs at the host's pace (docs/CUDA.md), which is what this counts.
 
-A GPU step of a small model is launch-bound: the GPU waits for Python to issue the next
-kernel, so every microsecond the engine spends per torch call shows in the step time
-(docs/CUDA.md: the tape's first version halved the default job's tokens/s on an H100).
-This machine has no GPU, so the proxy is a CPU step of a 12-block GPT of width 64 on 16
-tokens, one thread: its kernels take microseconds, and what is left is the engine's and
-PyTorch's Python, the part a launch-bound GPU step waits on. One process, one rank.
+    PYTHONPATH=. python benchmarks/step_overhead.py [--compile]            # this tree
+    cd OLD && PYTHONPATH=. python /path/to/benchmarks/step_overhead.py     # another commit's engine
 
-Usage: python benchmarks/step_overhead.py [--stages 0,3] [--steps 60]
-Two trees side by side (the old one first, interleaved by hand):
-       PYTHONPATH=/old/checkout python /old/checkout/benchmarks/step_overhead.py   # if it has the script,
-       PYTHONPATH=/old/checkout python benchmarks/step_overhead.py                 # or this one on its code
+One gloo rank, a 12-block GPT of width 64 (the blocks' count is what a step's host work grows with),
+one micro-batch of 32 tokens, fp32, after 3 steps. Under the counting mode torch.compile runs eagerly,
+so the aten ops are the eager step's either way; the Python calls and the time are the step's own.
 """
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
-import sys
+import cProfile
+import pstats
 import time
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch: one thread, as the Python that launches GPU kernels
-
-import torch  # noqa: E402
-
-from zerofunc.api import initialize  # noqa: E402
-from zerofunc.models import build_model  # noqa: E402
-from zerofunc.models.gpt2 import GPTConfig  # noqa: E402
-from zerofunc.step import loss_of  # noqa: E402
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
-def measure(stage: int, steps: int, warmup: int = 10) -> tuple[float, float, float]:
-    """Median (forward, backward, update) seconds of `steps` steps after `warmup`."""
-    torch.manual_seed(0)
-    model = build_model(GPTConfig(n_layer=12, n_head=4, n_embd=64, vocab_size=256, block_size=64))
-    engine = initialize(model, {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": 1,
-                                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
-    x, y = torch.randint(0, 256, (1, 16)), torch.randint(0, 256, (1, 16))
+class _CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def one_rank(stage: int, compile: bool) -> tuple[int, int, float]:
+    from zerofunc.comm import DistCommunicator
+    from zerofunc.engine import ZeroEngine
+    from zerofunc.models import GPT, GPTConfig
+    from zerofunc.optim import AdamWConfig
+    from zerofunc.stages import STAGES
+    from zerofunc.step import train_step
+
+    cfg = GPTConfig(n_layer=12, n_head=2, n_embd=64, vocab_size=512, block_size=64)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    engine = ZeroEngine(model, STAGES[stage], DistCommunicator(), AdamWConfig(lr=1e-3),
+                        init=lambda n, s: model.init_param(n, s, 0), compile=compile)
+    g = torch.Generator().manual_seed(0)
+    batch = [[torch.randint(0, cfg.vocab_size, (1, 32), generator=g) for _ in range(2)]]
+    for _ in range(3):
+        train_step(engine, batch)
+    counting = _CountOps()
+    with counting:
+        train_step(engine, batch)
+    profile = cProfile.Profile()
+    profile.enable()
+    train_step(engine, batch)
+    profile.disable()
     times = []
-    for i in range(warmup + steps):
+    for _ in range(15):
         t0 = time.perf_counter()
-        loss = loss_of(engine(x, y))
-        t1 = time.perf_counter()
-        engine.backward(loss)
-        t2 = time.perf_counter()
-        engine.step()
-        t3 = time.perf_counter()
-        if i >= warmup:
-            times.append((t1 - t0, t2 - t1, t3 - t2))
-    return tuple(statistics.median(t[k] for t in times) for k in range(3))
+        train_step(engine, batch)
+        times.append(time.perf_counter() - t0)
+    return counting.ops, pstats.Stats(profile).total_calls, sorted(times)[len(times) // 2] * 1e3
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--stages", default="0,3", help="comma-separated ZeRO stages (default 0,3)")
-    p.add_argument("--steps", type=int, default=60, help="measured steps per stage (default 60)")
-    a = p.parse_args(argv)
-    try:
-        stages = [int(s) for s in a.stages.split(",")]
-        if any(s not in range(4) for s in stages) or a.steps < 1:
-            raise ValueError
-    except ValueError:
-        print("error: --stages takes stages 0-3 separated by commas, --steps a positive count", file=sys.stderr)
-        return 2
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); medians of {a.steps} steps, ms")
-    print(f"{'stage':>5}  {'forward':>8}  {'backward':>8}  {'update':>8}  {'step':>8}")
-    for s in stages:
-        f, b, u = measure(s, a.steps)
-        print(f"{s:>5}  {f * 1e3:8.2f}  {b * 1e3:8.2f}  {u * 1e3:8.2f}  {(f + b + u) * 1e3:8.2f}")
-    return 0
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--compile", action="store_true", help="the blocks compiled (the default job's on a GPU)")
+    p.add_argument("--stages", default="0,3")
+    a = p.parse_args()
+    from tests.bare import in_world
+    print(f"{'stage':>5} {'compile':>7} {'aten ops':>9} {'Python calls':>12} {'median ms':>9}")
+    for stage in (int(s) for s in a.stages.split(",")):
+        ops, calls, ms = in_world(1, one_rank, stage, a.compile)[0]
+        print(f"{stage:>5} {str(a.compile):>7} {ops:>9,} {calls:>12,} {ms:>9.1f}", flush=True)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
