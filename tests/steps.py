@@ -170,8 +170,9 @@ def one_device_gradients(reference: nn.Module, step: Step):
     with torch.no_grad():
         for name, p in reference.named_parameters():
             p.copy_(step.params[name])
-    mean = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in reference.named_parameters()}
-    abs_mean = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in reference.named_parameters()}
+    trained = [(n, p) for n, p in reference.named_parameters() if p.requires_grad]  # a frozen one gets none
+    mean = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in trained}
+    abs_mean = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in trained}
     losses = torch.zeros(len(step.everyone), dtype=torch.float64)
     scale = 1.0 / step.grad_accum
     num_items = normalizer(reference, step)
@@ -181,7 +182,7 @@ def one_device_gradients(reference: nn.Module, step: Step):
         reference.zero_grad(set_to_none=True)
         value = loss(reference, batch, num_items)
         (value * scale if scale != 1.0 else value).backward()
-        for n, p in reference.named_parameters():
+        for n, p in trained:
             mean[n] += p.grad.double() / world
             abs_mean[n] += p.grad.double().abs() / world
         losses[i] = value.item()
@@ -258,7 +259,10 @@ def check_steps(reference: nn.Module, steps: list[Step], what: str, before: Befo
         factor_error = clip_factor_error(step.norm_terms, 0, 0) if step.clip else 0.0
         o = step.optim
         exact = {n: adamw_exact(step.params[n], step.grads[n], step.m[n], step.v[n], number, step.lr_at(number),
-                                o.betas, o.eps, o.weight_decay, factor, factor_error) for n in step.params}
+                                o.betas, o.eps, o.weight_decay, factor, factor_error) for n in step.grads}
+        moved = [n for n in step.params if n not in step.grads and not torch.equal(step.after[n], step.params[n])]
+        assert agreed_max(float(bool(moved))) == 0.0, \
+            f"{what}, step {step.number}: frozen parameter(s) changed: {', '.join(moved[:3]) or 'on another rank'}"
         for kept, got in (("p", step.after), ("m", step.m_after), ("v", step.v_after)):
             worst = {n: ratio((got[n].double() - getattr(e, kept)).abs(), getattr(e, f"{kept}_budget"))
                      for n, e in exact.items()}

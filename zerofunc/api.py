@@ -36,11 +36,6 @@ def initialize(model: nn.Module, config: dict | str | Path | Config, *, device: 
     """
     world = comm.world_size if comm is not None else dist.get_world_size() if dist.is_initialized() else 1
     cfg = config if isinstance(config, Config) else parse(config, world)  # bad input fails before any set-up
-    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
-    if frozen:  # the engine would train them: refused until frozen weights are supported
-        raise ValueError(f"{len(frozen)} parameter(s) have requires_grad=False ({', '.join(frozen[:3])}"
-                         f"{', ...' if len(frozen) > 3 else ''}): zerofunc trains every parameter and cannot freeze "
-                         "any yet; set requires_grad=True or leave them out of the model")
     if comm is None and not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     given = comm is not None

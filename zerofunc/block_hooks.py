@@ -49,7 +49,7 @@ class BlockHooks:
         return run
 
     def _unit_views(self, unit: Unit) -> dict[str, torch.Tensor]:
-        return unit.layout.views(unit.weights)
+        return unit.views()
 
     def _gather_and_bind(self, unit: Unit):
         def hook(module, args):

@@ -65,7 +65,7 @@ class _Staged:
             then()
 
 
-class _All:
+class AllHandles:
     """The handle of several collectives issued together (an all-gather done as broadcasts)."""
 
     def __init__(self, handles: list):
@@ -119,7 +119,7 @@ class Communicator:
             slots[:self.rank].fill_(-0.0)
             slots[self.rank + 1:].fill_(-0.0)
             return self._issue("all_reduce", out, tag, async_op, out=out, mean=False)
-        sends = _All([self._issue("broadcast", slot, tag, async_op, launch_only=True, out=slot, src=r)
+        sends = AllHandles([self._issue("broadcast", slot, tag, async_op, launch_only=True, out=slot, src=r)
                       for r, slot in enumerate(slots)])
         if not async_op:
             sends.wait()

@@ -122,7 +122,9 @@ class ZeroEngine(BlockHooks, WholeState):
                                   PRECISIONS[precision], self.memory, self.offload, self.reduce_dtype)
                       for name, module, named in partition(model, unit_names)]
         self.numel = sum(u.numel for u in self.units)
-        self.optimizer = ShardedAdamW(self.units, stage, comm, optim, self.memory, clip, overlap.bucket_bytes,
+        # the units with parameters to train: a unit whose parameters are all frozen gets no gradient, no step
+        trained = [u for u in self.units if u.numel]
+        self.optimizer = ShardedAdamW(trained, stage, comm, optim, self.memory, clip, overlap.bucket_bytes,
                                       self.offload)
         self._tape: Optional[Tape] = None  # the last forward's, until its backward
         self._unit_named = {u.name: u for u in self.units}

@@ -15,8 +15,17 @@ class WholeState:
 
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter, whole and in fp32 (the masters), on every rank."""
-        return self._unflatten(lambda u: u.master, sharded=self.stage.shard_optimizer)
+        """Every parameter, whole and in fp32 (the masters; a frozen one, its stored value), on every rank."""
+        out = self._unflatten(lambda u: u.master, sharded=self.stage.shard_optimizer)
+        for unit in self.units:
+            if unit.frozen is not None:
+                flat = unit.frozen.params
+                if self.stage.shard_params:
+                    whole = torch.empty(unit.frozen.layout.padded_numel, device=flat.device, dtype=flat.dtype)
+                    gather_weights(self.comm, whole, flat, "export")
+                    flat = whole
+                out.update({k: v.float().clone() for k, v in unit.frozen.layout.views(flat).items()})
+        return out
 
     @torch.no_grad()
     def full_gradients(self) -> dict[str, torch.Tensor]:
@@ -34,6 +43,8 @@ class WholeState:
         if self.offload is not None:
             self.offload.wait()
         for unit in self.units:
+            if not unit.numel:  # every parameter of the unit frozen
+                continue
             flat = get(unit).to(unit.params.device)  # an offloaded master is on the host
             if sharded:
                 whole = torch.empty(unit.layout.padded_numel, device=flat.device, dtype=flat.dtype)

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from zerofunc.collectives import gather_weights
-from zerofunc.comm import Communicator
+from zerofunc.comm import AllHandles, Communicator
 from zerofunc.layout import shard
 from zerofunc.overlap import Overlap
 from zerofunc.stages import Stage
@@ -51,28 +51,43 @@ class UnitGathering:
                  secondary: Optional[Communicator] = None):
         self.stage, self.comm, self.overlap, self.memory = stage, comm, overlap, memory
         self.secondary = secondary if stage.shard_params else None  # hpZ's group: a node inside the shard group
+        self.units = units
         self.blocks = [u for u in units if u.name != ""]
         self._block_index = {id(u): i for i, u in enumerate(self.blocks)}
-        self._by_buffer = {id(u.weights): u for u in units}  # a weight's view: its base is the unit's leaf
+        # a weight's view: its base is the unit's leaf, or a frozen part's buffer
+        self._by_buffer = {id(u.weights): u for u in units} | {id(u.frozen.full): u for u in units
+                                                                if u.frozen is not None and stage.shard_params}
         # a tape's leaf aliasing a weight (zerofunc/tape.py) has no base: found by its storage, which a
         # release keeps, only freeing its bytes
         self._by_storage = {u.full.untyped_storage()._cdata: u for u in units if u.full is not u.params}
 
     def gather(self, unit: Unit, tag: str, prefetch: bool = False) -> None:
-        """Make the unit's whole weights available; a prefetch only starts the gather, a use waits for it."""
+        """Make the unit's whole weights available; a prefetch only starts the gather, a use waits for it.
+        A unit's trainable and frozen parameters are two buffers, gathered together."""
         if not unit.gathered:
-            unit.full.untyped_storage().resize_(unit.full.numel() * unit.full.element_size())
-            self.memory.resized(unit.full)
-            if unit.secondary is not None and tag == "params.bwd":  # hpZ: from the node's copies
-                handle = gather_weights(self.secondary, unit.full, unit.secondary, tag, async_op=prefetch)
-            else:
-                unit.secondary = None  # forward reads the shards the optimizer updates
-                handle = gather_weights(self.comm, unit.full, unit.params, tag, async_op=prefetch)
-            unit.gathering, unit.gathered = (handle if prefetch else None), True
-            if not prefetch:
+            handles = []
+            for full, mine, node_copy in self._buffers(unit):
+                full.untyped_storage().resize_(full.numel() * full.element_size())
+                self.memory.resized(full)
+                if not full.numel():
+                    continue
+                if node_copy is not None and tag == "params.bwd":  # hpZ: from the node's copies
+                    handles.append(gather_weights(self.secondary, full, node_copy, tag, async_op=prefetch))
+                else:  # forward reads the shards the optimizer updates
+                    handles.append(gather_weights(self.comm, full, mine, tag, async_op=prefetch))
+            unit.gathering, unit.gathered = (AllHandles(handles) if prefetch else None), True
+            if not (prefetch and tag == "params.bwd"):  # hpZ's copy, read until the prefetch is waited for
                 unit.secondary = None
         if not prefetch and unit.gathering is not None:
             self._finish(unit)
+
+    @staticmethod
+    def _buffers(unit: Unit):
+        """(gather buffer, shard, hpZ's copy) of the unit's trainable parameters, then of its frozen ones (whose
+        backward gather, under hpZ, reads the whole shard group: only trainable weights keep a node copy)."""
+        yield unit.full, unit.params, unit.secondary
+        if unit.frozen is not None:
+            yield unit.frozen.full, unit.frozen.params, None
 
     def _finish(self, unit: Unit) -> None:
         """Wait for the unit's gather; what it read from (hpZ's copy) may then go."""
@@ -98,8 +113,9 @@ class UnitGathering:
             if after_forward and self.secondary is not None and torch.is_grad_enabled():
                 with self.memory.category("params"):
                     unit.secondary = shard(unit.full, self.secondary.rank, self.secondary.world_size).clone()
-            unit.full.untyped_storage().resize_(0)
-            self.memory.resized(unit.full)
+            for full, _, _ in self._buffers(unit):
+                full.untyped_storage().resize_(0)
+                self.memory.resized(full)
             unit.gathered = False
 
     def release_blocks(self) -> None:
@@ -107,7 +123,7 @@ class UnitGathering:
         copy hpZ kept for a backward that did not need it."""
         for unit in self.blocks:
             self.release(unit)
-        for unit in self._by_buffer.values():
+        for unit in self.units:
             unit.secondary = None
 
     def regather(self, unit: Unit) -> None:

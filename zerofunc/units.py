@@ -36,6 +36,22 @@ def check_reduce_dtype(reduce_dtype: Optional[str], precision: str) -> None:
 
 
 @dataclass(eq=False)
+class FrozenPart:
+    """A unit's parameters that do not train (`requires_grad=False`: a base model under an adapter), beside its
+    trainable ones, in a flat buffer of their own: they get no gradient, no reduction, no fp32 master and no
+    moments, and are stored in the compute dtype only. `params` is the whole buffer (stages 0-2) or this rank's
+    shard (stage 3), which stage 3 gathers into `full` with the trainable shard and releases with it. Their
+    views need no gradient, so autograd computes none for them (as DeepSpeed's ZeRO-3 and FSDP2 do)."""
+
+    layout: FlatLayout
+    params: torch.Tensor
+    full: torch.Tensor
+
+    def views(self) -> dict[str, torch.Tensor]:
+        return self.layout.views(self.full)
+
+
+@dataclass(eq=False)
 class Unit:
     """One unit's state on one rank.
 
@@ -64,6 +80,7 @@ class Unit:
     bound: Optional[dict] = None  # stage 3: the model's own parameters, while the unit's views stand in
     secondary: Optional[torch.Tensor] = None  # hpZ: this rank's 1/k of the weights, kept from forward to backward
     weights: Optional[torch.Tensor] = None  # `full` as the autograd leaf the forward's views are taken of
+    frozen: Optional[FrozenPart] = None  # the unit's parameters with requires_grad=False, if any
 
     def __post_init__(self) -> None:
         if self.weights is None:  # shares `full`'s storage (and its release), not its autograd history
@@ -71,7 +88,14 @@ class Unit:
 
     @property
     def numel(self) -> int:
+        """Trainable parameter elements (the frozen part's are `frozen.layout.numel`)."""
         return self.layout.numel
+
+    def views(self) -> dict[str, torch.Tensor]:
+        """Every parameter of the unit as a view: the trainable ones of the autograd leaf, the frozen ones of
+        their own buffer."""
+        views = self.layout.views(self.weights)
+        return views if self.frozen is None else views | self.frozen.views()
 
 
 def partition(model: nn.Module, unit_names: list[str]) -> list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]]:
@@ -105,14 +129,15 @@ def materialize(name: str, module: nn.Module, named: list, world_size: int, rank
     the optimizer's state and a staging buffer (of `grad_dtype`, the reduced gradient's; default
     `dtype`) are allocated in host memory.
     """
-    layout = FlatLayout.build([(n, p.shape) for n, p in named], world_size)
+    frozen = [(n, p) for n, p in named if not p.requires_grad]
+    layout = FlatLayout.build([(n, p.shape) for n, p in named if p.requires_grad], world_size)
     whole = (0, layout.padded_numel)
     kept = layout.shard_range(rank) if stage.shard_params else whole
     owned = layout.shard_range(rank) if stage.shard_optimizer else whole
 
     read_into = getattr(init, "read_into", None)
 
-    def filled(buf: torch.Tensor, span: tuple[int, int]) -> torch.Tensor:
+    def filled(buf: torch.Tensor, span: tuple[int, int], layout: FlatLayout = layout) -> torch.Tensor:
         if init is not None and buf.device.type != "meta":
             for slot, lo, hi, at in layout.pieces(*span):
                 if read_into is not None:
@@ -138,12 +163,23 @@ def materialize(name: str, module: nn.Module, named: list, world_size: int, rank
                                                                    dtype=torch.float32)), owned)
     else:
         master = params[owned[0] - kept[0]:owned[1] - kept[0]]
-    if stage.shard_params:
+    def gather_buffer(layout: FlatLayout, params: torch.Tensor) -> torch.Tensor:
+        if not stage.shard_params:
+            return params
         full = allocated("buffers", lambda: torch.empty(layout.padded_numel, device=device, dtype=dtype))
         full.untyped_storage().resize_(0)
         memory.resized(full)
-    else:
-        full = params
+        return full
+
+    full = gather_buffer(layout, params)
     if offload is None:
         m, v = (allocated("optimizer", lambda: torch.zeros_like(master)) for _ in range(2))
-    return Unit(name, module, layout, params, full, master, m, v, staging=staging, gathered=not stage.shard_params)
+    part = None
+    if frozen:  # kept in the compute dtype only, sharded as the weights are
+        frozen_layout = FlatLayout.build([(n, p.shape) for n, p in frozen], world_size)
+        span = frozen_layout.shard_range(rank) if stage.shard_params else (0, frozen_layout.padded_numel)
+        frozen_params = filled(allocated("params", lambda: torch.zeros(span[1] - span[0], device=device,
+                                                                       dtype=dtype)), span, frozen_layout)
+        part = FrozenPart(frozen_layout, frozen_params, gather_buffer(frozen_layout, frozen_params))
+    return Unit(name, module, layout, params, full, master, m, v, staging=staging, gathered=not stage.shard_params,
+                frozen=part)

@@ -99,6 +99,8 @@ class WholeStep:
         why = refusal(engine.offload is not None, engine.replicas is not None, engine.gathering.secondary is not None,
                       engine.state.loss_scale is not None, engine.checkpointing.on,
                       engine.reduce_dtype != engine.units[0].params.dtype)
+        if why is None and any(u.frozen is not None for u in engine.units):
+            why = "--compile whole does not support frozen parameters (requires_grad=False) yet: use --compile blocks"
         if why:
             raise ValueError(why)
         self.engine, self.stage = engine, engine.stage
