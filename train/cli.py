@@ -10,6 +10,7 @@ import contextlib
 import os
 import sys
 from dataclasses import replace
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,7 @@ from zerofunc import pretrained, whole_step
 from zerofunc.checkpoint_files import CheckpointError, verify
 from zerofunc.pretrained import WeightsError
 from zerofunc.models import build_model, model_config
+from zerofunc.lora import LoRA, apply_lora
 from zerofunc.units import partition
 from sim.hardware import use_profiles
 from zerofunc.usage import UsageError
@@ -118,6 +120,7 @@ def parse(argv: list[str] | None) -> TrainArgs:
         config.reduce_dtype is not None and config.reduce_dtype != config.precision)
     if why:
         raise UsageError(why)
+    lora = _lora(a, compile, model_cfg)
     with torch.device("meta"):
         model = build_model(model_cfg)
     if a.resume:  # the checkpoint's weights, not --init-from's
@@ -128,7 +131,24 @@ def parse(argv: list[str] | None) -> TrainArgs:
     return TrainArgs(a.model, config, a.nproc, a.steps, a.seq, a.dropout, a.seed, a.data, a.out, device,
                      a.save_every, a.resume, a.plot, compile,
                      a.on_nonfinite, a.on_save_error, config.comm_timeout, a.init_from, a.eval_every,
-                     a.eval_batches, a.tensorboard)
+                     a.eval_batches, a.tensorboard, lora)
+
+
+def _lora(a: argparse.Namespace, compile, model_cfg) -> Optional[LoRA]:
+    """--lora's adapters, checked against the model on the meta device; None without --lora."""
+    if a.lora is None:
+        return None
+    try:
+        lora = LoRA(a.lora, a.lora_alpha, a.lora_targets, a.lora_dropout)
+        with torch.device("meta"):
+            apply_lora(build_model(model_cfg), lora)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if a.save_every or a.resume:
+        raise UsageError("--lora does not save or resume checkpoints yet: leave out --save-every and --resume")
+    if compile == "whole":
+        raise UsageError("--compile whole does not support --lora yet: use --compile blocks")
+    return lora
 
 
 def _model_spec(a: argparse.Namespace) -> str:

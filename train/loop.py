@@ -25,6 +25,7 @@ from zerofunc.checkpoint import SaveError
 from zerofunc.checkpoint_files import step_dir
 from zerofunc.config import Config
 from zerofunc.launch import mark_step
+from zerofunc.lora import LoRA, WithAdapters, apply_lora
 from zerofunc.models import build_model, model_config
 from zerofunc.step import step as zero_step
 
@@ -52,6 +53,7 @@ class TrainArgs:
     eval_every: int = 0          # the loss on val.bin every K steps and after the last (0: never)
     eval_batches: int = 8        # global batches of val.bin per evaluation
     tensorboard: Optional[str] = None  # also write the metrics as TensorBoard scalars here
+    lora: Optional[LoRA] = None  # train LoRA adapters on the frozen model (zerofunc/lora.py)
 
 
 def rank_device(kind: str) -> torch.device:
@@ -78,6 +80,9 @@ def train_rank(args: TrainArgs) -> dict:
         init = pretrained.weights(args.init_from, model)
     else:
         init = lambda name, shape: model.init_param(name, shape, args.seed)  # noqa: E731
+    if args.lora is not None:  # after the weights' files are matched to the model: the adapters are not in them
+        apply_lora(model, args.lora)
+        init = WithAdapters(init, args.seed)
     # initialize makes the communicators: the world's, or with --shard-group the shard and replica groups
     engine = zerofunc.initialize(model, cfg, device=device, memory=tracker, compile=args.compile, init=init)
     comm = engine.comm  # its ledger is the step's, the replicas' collectives included
