@@ -172,3 +172,28 @@ def test_adapters_are_drawn_where_the_base_is_read():
     out = torch.empty(5)
     init.read_into("h.0.mlp.c_fc.lora_A.weight", (4, 3), 2, 7, out, None)
     assert torch.equal(out, adapter_value("h.0.mlp.c_fc.lora_A.weight", (4, 3), 1).reshape(-1)[2:7])
+
+
+def test_the_planner_plans_lora_and_says_how_to_train_it(capsys):
+    """`python -m zerofunc.plan --lora 4`: the JSON names the adapters and their count (those of apply_lora on
+    the same model), the recommended command trains them, the frozen weights hold no optimizer state (the
+    adapters' fp32 master, m and v, 12 bytes a parameter, are all there is); bad LoRA flags are one line."""
+    from zerofunc.plan.__main__ import main as plan_main
+
+    argv = ["--model", "gpt2-tiny", "--world-size", "2", "--stage", "3", "--levers", "none", "--micro-batch", "1"]
+    assert plan_main(argv + ["--lora", "4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    with torch.device("meta"):
+        model = build_model(model_config("gpt2-tiny"))
+    apply_lora(model, LoRA(4))
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert out["lora"] == {"r": 4, "alpha": 8.0, "targets": "all-linear", "trained_params": trained}
+    assert out["params"] == sum(p.numel() for p in model.parameters())
+    assert out["recommended_command"][-7:-1] == ["--lora", "4", "--lora-alpha", "8.0", "--lora-targets", "all-linear"]
+    units = 1 + model.cfg.n_layer  # each unit's adapters pad to ALIGN x 2 ranks at most
+    assert 12 * trained / 2 <= out["stages"][0]["memory_bytes"]["optimizer"] <= 12 * (trained + units * ALIGN * 2) / 2
+    for flags, message in ((["--lora", "4", "--lora-targets", "q_proj"], "selects no Linear or Conv1D"),
+                           (["--lora", "0"], "the LoRA rank must be at least 1")):
+        assert plan_main(argv + flags) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and message in err and "\n" not in err, err

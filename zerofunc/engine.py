@@ -121,7 +121,8 @@ class ZeroEngine(BlockHooks, WholeState):
         self.units = [materialize(name, module, named, comm.world_size, comm.rank, stage, self.device, init,
                                   PRECISIONS[precision], self.memory, self.offload, self.reduce_dtype)
                       for name, module, named in partition(model, unit_names)]
-        self.numel = sum(u.numel for u in self.units)
+        # the model's parameters, frozen ones too (a unit's `numel` counts its trainable ones)
+        self.numel = sum(u.numel + (u.frozen.layout.numel if u.frozen is not None else 0) for u in self.units)
         # the units with parameters to train: a unit whose parameters are all frozen gets no gradient, no step
         trained = [u for u in self.units if u.numel]
         self.optimizer = ShardedAdamW(trained, stage, comm, optim, self.memory, clip, overlap.bucket_bytes,

@@ -22,4 +22,9 @@ PLANTS: list[Plant] = [
           also=((LORA, "        layer.register_forward_hook(_Adapter(lora.scaling, lora.dropout))\n    return names\n",
                  "        layer.register_forward_hook(_Adapter(lora.scaling, lora.dropout))\n"
                  "    for p in model.parameters():\n        p.requires_grad_(False)\n    return names\n"),)),
+    Plant("plan_ignores_lora", "zerofunc/plan/__init__.py",
+          "        if self.lora is not None:\n            apply_lora(model, self.lora)\n", "",
+          "the planner plans a LoRA run as a full fine-tune: optimizer state and reduce-scatters for the frozen "
+          "weights, which the trainer never has",
+          "issue 32", ("tests/test_plan.py::test_a_lora_plan_is_the_lora_step",)),
 ]

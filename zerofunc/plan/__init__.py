@@ -29,6 +29,7 @@ from sim.roofline import ADAMW_BYTES_COUNTED, Roofline
 from zerofunc.api import initialize
 from zerofunc.comm import RecordingCommunicator
 from zerofunc.config import Config
+from zerofunc.lora import LoRA, apply_lora
 from zerofunc.models import ModelConfig, build_model, model_config
 from zerofunc.overlap import Overlap
 from zerofunc.recompute import ActivationCheckpointing
@@ -66,6 +67,7 @@ class Plan:
     ac_every: int = 2                              # selective: one block in ac_every recomputes
     offload_optimizer: bool = False                # the optimizer's state and update on the host (stages 1-3)
     reduce_dtype: Optional[str] = None             # communication_data_type: gradients reduce in it (None: precision)
+    lora: Optional[LoRA] = None                    # adapters trained on the frozen model (zerofunc/lora.py)
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -89,6 +91,8 @@ class Plan:
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         check_reduce_dtype(self.reduce_dtype, self.precision)
+        if self.lora is not None and self.params is not None:
+            raise ValueError("LoRA adapts a model's layers: give --model, not --params")
         if self.params is not None:
             if self.params < 1:
                 raise ValueError(f"--params must be at least 1, got {self.params}")
@@ -126,7 +130,14 @@ class Plan:
             model = self.model() if self.foreign else build_model(self.config)
         if any(p.device.type != "meta" for p in model.parameters()):
             raise ValueError("the model callable must build its parameters on the meta device")
+        if self.lora is not None:
+            apply_lora(model, self.lora)
         return model
+
+    @property
+    def trained_numel(self) -> int:
+        """The parameters the optimizer steps: all of them, or with LoRA the adapters'."""
+        return sum(p.numel() for p in self.build().parameters() if p.requires_grad)
 
     @property
     def tokens(self) -> int:

@@ -45,6 +45,8 @@ def train_args(plan: Plan, nproc: Optional[int] = None) -> list[str]:
             args += ["--ac-every", str(ac.every)]
     if plan.offload_optimizer:
         args += ["--offload-optimizer", "cpu"]
+    if plan.lora is not None:
+        args += ["--lora", str(plan.lora.r), "--lora-alpha", repr(plan.lora.alpha), "--lora-targets", plan.lora.targets]
     if plan.prefetch_depth != Overlap.prefetch_depth:
         args += ["--prefetch-depth", str(plan.prefetch_depth)]
     if plan.bucket_bytes != Overlap.bucket_bytes:

@@ -89,6 +89,8 @@ def as_json(plan: Plan, reports: list[StageReport], capacity: int, costs: Option
     return {
         "model": plan.model_name if plan.params is None else None,
         "params": reports[0].sim.numel,
+        "lora": None if plan.lora is None else {"r": plan.lora.r, "alpha": plan.lora.alpha,
+                                                "targets": plan.lora.targets, "trained_params": plan.trained_numel},
         "world_size": sizes[0] if len(sizes) == 1 else None,
         "world_sizes": sizes,
         "precision": plan.precision,
@@ -133,6 +135,9 @@ def as_table(plan: Plan, reports: list[StageReport], capacity: int, ranks: Optio
             what += f", {plan.grad_accum} micro-steps per optimizer step (comm and time per step)"
     else:
         what = f"{numel:,} parameters, model states only"
+    if plan.lora is not None:
+        what += (f", LoRA r {plan.lora.r} (alpha {plan.lora.alpha:g}, {plan.lora.targets}): {plan.trained_numel:,} "
+                 "parameters trained, the rest frozen")
     if plan.shard_group is not None:
         what += f", stages 1-3 sharded within groups of {plan.shard_group} ranks"
     elif shard_auto:
