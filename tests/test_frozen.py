@@ -56,8 +56,6 @@ def _train(stage: int, kind: str):
 LEVERS = {  # a stage and the levers with it, on 4 ranks
     "stage 3, full activation checkpointing, optimizer offload": (3, {"offload_optimizer": {"device": "cpu"}},
                                                                   {"activation_checkpointing": {"mode": "full"}}),
-    "stage 1, optimizer offload": (1, {"offload_optimizer": {"device": "cpu"}}, {}),
-    "stage 2, hybrid sharding in groups of 2": (2, {"shard_group_size": 2}, {}),
     "stage 3, hpZ in pairs": (3, {"zero_hpz_partition_size": 2}, {}),
     "stage 3, hybrid sharding in groups of 2, full activation checkpointing": (
         3, {"shard_group_size": 2}, {"activation_checkpointing": {"mode": "full"}}),

@@ -189,13 +189,17 @@ def test_compiled_stage_3_keeps_its_blocks_and_the_prefetched_gathered():
     assert whole_volume == eager_volume
 
 
-def test_the_trainer_compiles_the_step_whole_on_cpu(tmp_path):
+def test_the_trainer_compiles_the_step_whole_on_cpu(tmp_path, monkeypatch):
     """`python -m train --compile whole` on CPU, 2 ranks, stage 3: the step runs compiled, which its ledger
     shows (only a compiled graph's run writes its collectives there), and sends per step the bytes the eager
     trainer sends. The CPU trainer tracks memory with a dispatch mode, under which torch.compile would run the
     step eagerly and silently: the ledger would then hold only the loss's and the token count's bytes.
-    The losses agree as tests/test_whole_step.py's first test bounds them (three steps, fp32, 1e-5)."""
+    The losses agree as tests/test_whole_step.py's first test bounds them (three steps, fp32, 1e-5).
+    Traced with aot_eager in the ranks (ZEROFUNC_COMPILE_BACKEND), as the tests above: inductor's C++ for
+    the trainer's graphs cost 30-55 s here, and the test above already runs inductor's stage-3 graphs."""
     import json
+
+    monkeypatch.setenv("ZEROFUNC_COMPILE_BACKEND", "aot_eager")
 
     from train.cli import main
 

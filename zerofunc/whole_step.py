@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from typing import Optional, Sequence
 
 import torch
@@ -93,7 +94,9 @@ class WholeStep:
     """One optimizer step of `engine`'s model, compiled whole. The engine's units keep the state (the
     shards, the fp32 masters, the moments); the step's graphs update them in place."""
 
-    backend = "inductor"  # tests trace with "aot_eager": the same graphs, partitioned, without codegen
+    # tests trace with "aot_eager": the same graphs, partitioned, without codegen; ZEROFUNC_COMPILE_BACKEND=aot_eager
+    # does so in the trainer's ranks (a first look at a new model, where inductor's C++ costs minutes on a CPU)
+    backend = "inductor"
 
     def __init__(self, engine):
         why = refusal(engine.offload is not None, engine.replicas is not None, engine.gathering.secondary is not None,
@@ -111,7 +114,10 @@ class WholeStep:
         self.groups = {u.name: ranks.ops(u.layout.padded_numel * u.params.element_size(), engine.comm.link)
                        for u in engine.units}
         # each function's graphs, read as compiled and counted into the ledger as they run
-        self.graphs = {role: CompiledGraphs(self.backend, engine.overlap.bucket_bytes,
+        backend = os.environ.get("ZEROFUNC_COMPILE_BACKEND") or self.backend
+        if backend not in ("inductor", "aot_eager"):
+            raise ValueError(f"ZEROFUNC_COMPILE_BACKEND must be inductor or aot_eager, got {backend!r}")
+        self.graphs = {role: CompiledGraphs(backend, engine.overlap.bucket_bytes,
                                             functools.partial(self._issued, role))
                        for role in ("loss", "reduce", "apply")}
         compiled = lambda fn, role: torch.compile(fn, backend=self.graphs[role], dynamic=False)  # noqa: E731
