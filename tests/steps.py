@@ -102,6 +102,20 @@ def record_step(engine, mine: list, everyone: list) -> Step:
                 engine.grad_accum, engine.optim, lr_at, opt.clip, terms, logged)
 
 
+def recorded_steps(engine, draw: Callable, steps: int, seed: int, micro_batch: int = 2) -> list[Step]:
+    """`steps` recorded optimizer steps of `engine` on global batches of `micro_batch` rows per micro-step of
+    each data-parallel rank, `draw(rows, generator)` giving their (inputs, targets), drawn alike on every rank:
+    micro-step j of rank r takes micro-batch j * N + r."""
+    world, rank = engine.data_parallel_size, dist.get_rank()
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        x, y = draw(micro_batch * world * engine.grad_accum, gen)
+        everyone = [(x[i:i + micro_batch], y[i:i + micro_batch]) for i in range(0, len(x), micro_batch)]
+        out.append(record_step(engine, everyone[rank::world], everyone))
+    return out
+
+
 def ignore_some(targets: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     """Targets as fine-tuning data has them: each row's first 0..T targets ignored (-100, a masked
     prompt) and 0..(the rest) of its last (padding), drawn from `gen`, so rows, micro-batches and ranks

@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import zerofunc
 from tests.bare import in_world
-from tests.steps import check_steps, record_step
+from tests.steps import check_steps, recorded_steps
 from tests.test_api import OPTIM, ResidualMLP, TokenMLP, batches
 from zerofunc.stages import STAGES
 
@@ -38,13 +38,7 @@ def _train(stage: int, kind: str):
     engine = zerofunc.initialize(model, {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
                                          "gradient_clipping": 0.05, "zero_optimization": {"stage": stage},
                                          "optimizer": OPTIM})
-    rank, world = engine.comm.rank, engine.comm.world_size
-    gen = torch.Generator().manual_seed(1)
-    steps = []
-    for _ in range(3):
-        x, y = batches(kind, 2 * world * 2, gen)
-        everyone = [(x[i * 2:(i + 1) * 2], y[i * 2:(i + 1) * 2]) for i in range(world * 2)]
-        steps.append(record_step(engine, everyone[rank::world], everyone))
+    steps = recorded_steps(engine, lambda rows, gen: batches(kind, rows, gen), steps=3, seed=1)
     check_steps(reference, steps, f"{kind}, stage {stage}")  # frozen ones bit for bit, the rest as one device
     after = engine.full_parameters()
     kept = all(torch.equal(after[n], t) for n, t in frozen.items())
@@ -70,13 +64,7 @@ def _train_with(what: str) -> tuple[bool, float]:
     engine = zerofunc.initialize(model, {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
                                          "gradient_clipping": 0.05, "zero_optimization": {"stage": stage, **zero},
                                          "optimizer": OPTIM, **top})
-    world, rank = engine.data_parallel_size, torch.distributed.get_rank()
-    gen = torch.Generator().manual_seed(2)
-    steps = []
-    for _ in range(2):
-        x, y = batches("tokens", 2 * world * 2, gen)
-        everyone = [(x[i * 2:(i + 1) * 2], y[i * 2:(i + 1) * 2]) for i in range(world * 2)]
-        steps.append(record_step(engine, everyone[rank::world], everyone))
+    steps = recorded_steps(engine, lambda rows, gen: batches("tokens", rows, gen), steps=2, seed=2)
     check_steps(reference, steps, what)
     after = engine.full_parameters()
     return all(torch.equal(after[n], t) for n, t in frozen.items()), min(

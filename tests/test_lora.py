@@ -11,7 +11,7 @@ import torch
 
 import zerofunc
 from tests.bare import in_world
-from tests.steps import check_steps, record_step
+from tests.steps import check_steps, recorded_steps
 from tests.test_api import OPTIM, TokenMLP, batches
 from zerofunc.layout import ALIGN
 from zerofunc.lora import LoRA, WithAdapters, adapter_value, apply_lora, targets
@@ -84,13 +84,7 @@ def _lora_trains(stage: int):
     base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     engine = zerofunc.initialize(model, {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
                                          "zero_optimization": {"stage": stage}, "optimizer": OPTIM})
-    rank, world = engine.comm.rank, engine.comm.world_size
-    gen = torch.Generator().manual_seed(3)
-    steps = []
-    for _ in range(2):
-        x, y = batches("tokens", 2 * world * 2, gen)
-        everyone = [(x[i * 2:(i + 1) * 2], y[i * 2:(i + 1) * 2]) for i in range(world * 2)]
-        steps.append(record_step(engine, everyone[rank::world], everyone))
+    steps = recorded_steps(engine, lambda rows, gen: batches("tokens", rows, gen), steps=2, seed=3)
     check_steps(reference, steps, f"LoRA, stage {stage}")
     after = engine.full_parameters()
     moved = {n for n in after if n not in base and not torch.equal(after[n], steps[0].params[n])}
