@@ -35,10 +35,8 @@ PLANTS: list[Plant] = [
           "an fp32 export rounds every weight through bf16: the exported model is not the one trained",
           "issue 30 (test_finetune tolerance)", (FINETUNE,)),
     # -- issue 30: the engine and the planner ---------------------------------------------------------------
-    Plant("frozen_weights_trained", "zerofunc/api.py",
-          "    if frozen:  # the engine would train them", "    if False:  # the engine would train them",
-          "a requires_grad=False parameter (an adapter's frozen base) is trained without a word",
-          "issue 30 (doors)", ("tests/test_api.py", "-k", "frozen")),
+    # frozen_weights_trained (initialize's refusal of requires_grad=False ignored) went with the refusal: issue 32
+    # trains frozen weights as frozen, and tests/plant_register/frozen.py's frozen_parameters_trained guards it
     Plant("reduce_dtype_ignored", RED,
           "        if grad.dtype != self.reduce_dtype:  # accumulated", "        if False:  # accumulated",
           "communication_data_type fp32 is read and ignored: bf16 gradients are still summed in bf16",
