@@ -19,12 +19,8 @@ class WholeState:
         out = self._unflatten(lambda u: u.master, sharded=self.stage.shard_optimizer)
         for unit in self.units:
             if unit.frozen is not None:
-                flat = unit.frozen.params
-                if self.stage.shard_params:
-                    whole = torch.empty(unit.frozen.layout.padded_numel, device=flat.device, dtype=flat.dtype)
-                    gather_weights(self.comm, whole, flat, "export")
-                    flat = whole
-                out.update({k: v.float().clone() for k, v in unit.frozen.layout.views(flat).items()})
+                frozen = self._whole(unit.frozen.layout, unit.frozen.params, self.stage.shard_params)
+                out.update({k: v.float() for k, v in frozen.items()})
         return out
 
     @torch.no_grad()
@@ -46,9 +42,14 @@ class WholeState:
             if not unit.numel:  # every parameter of the unit frozen
                 continue
             flat = get(unit).to(unit.params.device)  # an offloaded master is on the host
-            if sharded:
-                whole = torch.empty(unit.layout.padded_numel, device=flat.device, dtype=flat.dtype)
-                gather_weights(self.comm, whole, flat, "export")
-                flat = whole
-            out.update({k: v.clone() for k, v in unit.layout.views(flat).items()})
+            out.update(self._whole(unit.layout, flat, sharded))
         return out
+
+    def _whole(self, layout, flat: torch.Tensor, sharded: bool) -> dict[str, torch.Tensor]:
+        """The parameters of `layout` from `flat`, this rank's shard of them (`sharded`, gathered over the shard
+        group) or all of them, as copies."""
+        if sharded:
+            whole = torch.empty(layout.padded_numel, device=flat.device, dtype=flat.dtype)
+            gather_weights(self.comm, whole, flat, "export")
+            flat = whole
+        return {k: v.clone() for k, v in layout.views(flat).items()}
