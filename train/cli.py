@@ -120,7 +120,7 @@ def parse(argv: list[str] | None) -> TrainArgs:
         config.reduce_dtype is not None and config.reduce_dtype != config.precision)
     if why:
         raise UsageError(why)
-    lora = _lora(a, compile, model_cfg)
+    lora = _lora(a, compile)
     with torch.device("meta"):
         model = build_model(model_cfg)
     if a.resume:  # the checkpoint's weights, not --init-from's
@@ -128,20 +128,23 @@ def parse(argv: list[str] | None) -> TrainArgs:
         verify(a.out, units)
     elif a.init_from is not None:
         pretrained.weights(a.init_from, model)  # names, shapes and files checked here, before any rank starts
+    if lora is not None:  # its targets matched on the model built here, after its files were (they hold no adapter)
+        try:
+            apply_lora(model, lora)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     return TrainArgs(a.model, config, a.nproc, a.steps, a.seq, a.dropout, a.seed, a.data, a.out, device,
                      a.save_every, a.resume, a.plot, compile,
                      a.on_nonfinite, a.on_save_error, config.comm_timeout, a.init_from, a.eval_every,
                      a.eval_batches, a.tensorboard, lora)
 
 
-def _lora(a: argparse.Namespace, compile, model_cfg) -> Optional[LoRA]:
-    """--lora's adapters, checked against the model on the meta device; None without --lora."""
+def _lora(a: argparse.Namespace, compile) -> Optional[LoRA]:
+    """--lora's adapters (their targets are matched on the model by the caller); None without --lora."""
     if a.lora is None:
         return None
     try:
         lora = LoRA(a.lora, a.lora_alpha, a.lora_targets, a.lora_dropout)
-        with torch.device("meta"):
-            apply_lora(build_model(model_cfg), lora)
     except ValueError as e:
         raise UsageError(str(e)) from None
     if a.save_every or a.resume:
