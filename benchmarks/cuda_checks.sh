@@ -15,8 +15,9 @@
 #   env calibrate check-small pytest      (about 3 minutes on an H100)
 #   check-medium train adamw check-reduce (about 3 minutes on an H100, 2026-11-26)
 #   whole                                 (about 2 minutes on an H200, 2026-11-27: --compile whole at stages 0 and 3, 1 GPU)
-#   ab                                    (on demand, its own call, about 8 minutes; OLD_TREE=DIR: an older commit's trainer beside this one,
+#   ab                                    (on demand, its own call, about 8 minutes for 13 of its 16 runs on an H200, 2026-11-27: AB_STEPS=20 for all; OLD_TREE=DIR: an older commit's trainer beside this one,
 #                                          gpt2-small stages 0 and 3, compiled blocks and eager, in turn, twice)
+#   lora                                  (on demand, about 2 minutes: --lora 8 at stages 0 and 3, 1 GPU)
 #   snapshot                              (on demand: the allocator's blocks at two cells' peaks)
 # A part that fails is reported and the next one still runs; the exit code is the
 # number of failed parts.
@@ -81,6 +82,12 @@ torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory)
           echo "$name: $($PY benchmarks/mfu.py "$OUT/$name/metrics.jsonl" --model ${AB_MODEL:-gpt2-small} --seq 128 2>&1 \
             | tail -1)" | tee -a "$OUT/ab.txt"
         done; done; done; done ;;
+    lora) for stage in 0 3; do  # LoRA r=8 on a frozen bf16 base (issue 32), compiled blocks, 1 GPU
+            run lora-s$stage $PY -m train --model gpt2-small --nproc 1 --precision bf16 --steps 50 --stage $stage \
+              --lora 8 --out "$OUT/lora-s$stage"
+            echo "lora-s$stage: $($PY benchmarks/mfu.py "$OUT/lora-s$stage/metrics.jsonl" --model gpt2-small --seq 128 2>&1 \
+              | tail -1)" | tee -a "$OUT/lora.txt"
+          done ;;
     snapshot) for cell in "0 1" "3 64"; do set -- $cell
            run "snapshot-s$1-w$2" $PY benchmarks/cuda_memory_snapshot.py --model gpt2-small --stage "$1" --world-size "$2"; done ;;
     adamw) run adamw-fp32 $PY benchmarks/fused_adamw.py
