@@ -17,6 +17,8 @@
 #   whole                                 (about 2 minutes on an H200, 2026-11-27: --compile whole at stages 0 and 3, 1 GPU)
 #   ab                                    (on demand, its own call, about 8 minutes for 13 of its 16 runs on an H200, 2026-11-27: AB_STEPS=20 for all; OLD_TREE=DIR: an older commit's trainer beside this one,
 #                                          gpt2-small stages 0 and 3, compiled blocks and eager, in turn, twice)
+#   overhead                              (on demand, about 1 minute a tree: the default job's step, eager, stages 0 and 3,
+#                                          timed and profiled by cProfile; with OLD_TREE, that tree's first)
 #   lora                                  (on demand, about 2 minutes: --lora 8 at stages 0 and 3, 1 GPU)
 #   snapshot                              (on demand: the allocator's blocks at two cells' peaks)
 # A part that fails is reported and the next one still runs; the exit code is the
@@ -82,6 +84,11 @@ torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory)
           echo "$name: $($PY benchmarks/mfu.py "$OUT/$name/metrics.jsonl" --model ${AB_MODEL:-gpt2-small} --seq 128 2>&1 \
             | tail -1)" | tee -a "$OUT/ab.txt"
         done; done; done; done ;;
+    overhead) for tree in ${OLD_TREE:+"$OLD_TREE"} .; do  # where the launch-bound step's host time goes, per tree
+          name=overhead-$([ "$tree" = . ] && echo new || echo old)
+          run "$name" bash -c "cd '$tree' && PYTHONPATH=. $PY '$PWD/benchmarks/step_overhead.py' --device cuda \
+            --precision bf16 --width 768 --tokens 8x128 --top 30"
+        done ;;
     lora) for stage in 0 3; do  # LoRA r=8 on a frozen bf16 base (issue 32), compiled blocks, 1 GPU
             run lora-s$stage $PY -m train --model gpt2-small --nproc 1 --precision bf16 --steps 50 --stage $stage \
               --lora 8 --out "$OUT/lora-s$stage"

@@ -5,15 +5,19 @@ work runs at the host's pace (docs/CUDA.md), which is what this counts.
 
     PYTHONPATH=. python benchmarks/step_overhead.py [--compile]            # this tree
     cd OLD && PYTHONPATH=. python /path/to/benchmarks/step_overhead.py     # another commit's engine
+    ... --device cuda --precision bf16 --width 768 --tokens 8x128 --top 25  # the default job's step on a GPU,
+                                                                           # and where its host time goes
 
 One gloo rank, a 12-block GPT of width 64 (the blocks' count is what a step's host work grows with),
-one micro-batch of 32 tokens, fp32, after 3 steps. Under the counting mode torch.compile runs eagerly,
+one micro-batch of 32 tokens, fp32, after 3 steps (the flags change each). On CUDA the step is timed to a
+synchronize, and cProfile's wall time of a C call (autograd's `run_backward`) includes the GPU work it waits for. Under the counting mode torch.compile runs eagerly,
 so the aten ops are the eager step's either way; the Python calls and the time are the step's own.
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
+import io
 import pstats
 import time
 
@@ -31,7 +35,8 @@ class _CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def one_rank(stage: int, compile: bool) -> tuple[int, int, float]:
+def one_rank(stage: int, compile: bool, device: str, precision: str, width: int, tokens: tuple[int, int],
+             top: int) -> tuple[int, int, float, str]:
     from zerofunc.comm import DistCommunicator
     from zerofunc.engine import ZeroEngine
     from zerofunc.models import GPT, GPTConfig
@@ -39,40 +44,60 @@ def one_rank(stage: int, compile: bool) -> tuple[int, int, float]:
     from zerofunc.stages import STAGES
     from zerofunc.step import train_step
 
-    cfg = GPTConfig(n_layer=12, n_head=2, n_embd=64, vocab_size=512, block_size=64)
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    cfg = GPTConfig(n_layer=12, n_head=max(1, width // 64), n_embd=width, vocab_size=512 if width <= 64 else 50304,
+                    block_size=max(64, tokens[1]))
     with torch.device("meta"):
         model = GPT(cfg)
-    engine = ZeroEngine(model, STAGES[stage], DistCommunicator(), AdamWConfig(lr=1e-3),
-                        init=lambda n, s: model.init_param(n, s, 0), compile=compile)
+    engine = ZeroEngine(model, STAGES[stage], DistCommunicator(), AdamWConfig(lr=1e-3), device=device,
+                        init=lambda n, s: model.init_param(n, s, 0), compile=compile, precision=precision)
     g = torch.Generator().manual_seed(0)
-    batch = [[torch.randint(0, cfg.vocab_size, (1, 32), generator=g) for _ in range(2)]]
+    batch = [[torch.randint(0, cfg.vocab_size, tokens, generator=g).to(device) for _ in range(2)]]
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for _ in range(3):
         train_step(engine, batch)
     counting = _CountOps()
     with counting:
         train_step(engine, batch)
+    sync()
     profile = cProfile.Profile()
     profile.enable()
     train_step(engine, batch)
+    sync()
     profile.disable()
     times = []
     for _ in range(15):
+        sync()
         t0 = time.perf_counter()
         train_step(engine, batch)
+        sync()
         times.append(time.perf_counter() - t0)
-    return counting.ops, pstats.Stats(profile).total_calls, sorted(times)[len(times) // 2] * 1e3
+    stats = pstats.Stats(profile, stream=io.StringIO())
+    if top:
+        stats.sort_stats("tottime").print_stats(top)
+    return counting.ops, stats.total_calls, sorted(times)[len(times) // 2] * 1e3, stats.stream.getvalue() if top else ""
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--compile", action="store_true", help="the blocks compiled (the default job's on a GPU)")
     p.add_argument("--stages", default="0,3")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: one NCCL rank on GPU 0")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--width", type=int, default=64, help="n_embd of the 12 blocks (768: gpt2-small's, with its vocabulary)")
+    p.add_argument("--tokens", default="1x32", help="micro-batch, sequences x tokens (the default job's: 8x128)")
+    p.add_argument("--top", type=int, default=0, help="also print the step's N costliest functions by own time (cProfile)")
     a = p.parse_args()
     from tests.bare import in_world
+    tokens = tuple(int(n) for n in a.tokens.split("x"))
     print(f"{'stage':>5} {'compile':>7} {'aten ops':>9} {'Python calls':>12} {'median ms':>9}")
     for stage in (int(s) for s in a.stages.split(",")):
-        ops, calls, ms = in_world(1, one_rank, stage, a.compile)[0]
+        ops, calls, ms, profile = in_world(1, one_rank, stage, a.compile, a.device, a.precision, a.width, tokens, a.top,
+                                           backend="nccl" if a.device == "cuda" else "gloo")[0]
         print(f"{stage:>5} {str(a.compile):>7} {ops:>9,} {calls:>12,} {ms:>9.1f}", flush=True)
+        if profile:
+            print(profile, flush=True)
 
 
 if __name__ == "__main__":
