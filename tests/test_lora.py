@@ -138,7 +138,6 @@ def test_the_trainer_trains_lora(tmp_path, tiny_data):
     (["--lora", "0"], "the LoRA rank must be at least 1"),
     (["--lora", "4", "--lora-targets", "q_proj"], "selects no Linear or Conv1D layer"),
     (["--lora", "4", "--lora-dropout", "1"], "the LoRA dropout must be in [0, 1)"),
-    (["--lora", "4", "--save-every", "5"], "--lora does not save or resume checkpoints yet"),
     (["--lora", "4", "--compile", "whole"], "--compile whole does not support --lora yet"),
 ])
 def test_bad_lora_flags_are_one_line_and_write_nothing(tmp_path, capsys, flags, message):

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.bare import in_world
 from tests.hf_dirs import FAMILIES, save_hf_dir
-from zerofunc import pretrained
+from zerofunc import hf_files, pretrained
 from zerofunc.models import build_model, model_config
 
 # not importorskip: the ranks import this module, and transformers takes seconds to import
@@ -65,7 +65,7 @@ def test_a_range_read_is_the_flattened_tensors_range(one_file, name, data):
     hi = data.draw(st.integers(lo + 1, n))
     out = torch.full((hi - lo,), float("nan"))
     with pretrained.open_safetensors(path) as h:
-        pretrained._read_range(h, key, tuple(whole.shape), lo, hi, transposed, out, pretrained.NoMemoryTracking())
+        hf_files.read_range(h, key, tuple(whole.shape), lo, hi, transposed, out, pretrained.NoMemoryTracking())
     assert torch.equal(out, whole.reshape(-1)[lo:hi].float())
 
 

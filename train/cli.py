@@ -123,16 +123,17 @@ def parse(argv: list[str] | None) -> TrainArgs:
     lora = _lora(a, compile)
     with torch.device("meta"):
         model = build_model(model_cfg)
-    if a.resume:  # the checkpoint's weights, not --init-from's
-        units = [[[n, list(p.shape)] for n, p in named] for _, _, named in partition(model, model.shard_units())]
-        verify(a.out, units)
-    elif a.init_from is not None:
+    if a.init_from is not None and not a.resume:
         pretrained.weights(a.init_from, model)  # names, shapes and files checked here, before any rank starts
     if lora is not None:  # its targets matched on the model built here, after its files were (they hold no adapter)
         try:
             apply_lora(model, lora)
         except ValueError as e:
             raise UsageError(str(e)) from None
+    if a.resume:  # the checkpoint's weights, not --init-from's; its frozen ones are the same --lora's
+        verify(a.out, [([[n, list(p.shape)] for n, p in named if p.requires_grad],
+                        [[n, list(p.shape)] for n, p in named if not p.requires_grad])
+                       for _, _, named in partition(model, model.shard_units())])
     return TrainArgs(a.model, config, a.nproc, a.steps, a.seq, a.dropout, a.seed, a.data, a.out, device,
                      a.save_every, a.resume, a.plot, compile,
                      a.on_nonfinite, a.on_save_error, config.comm_timeout, a.init_from, a.eval_every,
@@ -147,8 +148,6 @@ def _lora(a: argparse.Namespace, compile) -> Optional[LoRA]:
         lora = LoRA(a.lora, a.lora_alpha, a.lora_targets, a.lora_dropout)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if a.save_every or a.resume:
-        raise UsageError("--lora does not save or resume checkpoints yet: leave out --save-every and --resume")
     if compile == "whole":
         raise UsageError("--compile whole does not support --lora yet: use --compile blocks")
     return lora

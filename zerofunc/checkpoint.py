@@ -24,26 +24,41 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from sim.memory import NoMemoryTracking
+from zerofunc import frozen_source
 from zerofunc.checkpoint_files import (FORMAT, CheckpointError, check_files, check_model, rank_file, read_manifest,
-                                       resolve, saved_spans, sha256, step_dir)
+                                       resolve, saved_spans, sha256, step_dir, unit_params)
 from zerofunc.engine import ZeroEngine
 from zerofunc.state import OptimizerState
 
 
-def _owned_span(engine: ZeroEngine, unit) -> tuple[int, int]:
-    """The [start, stop) of the unit's padded flat buffer that this rank's optimizer owns."""
-    if engine.stage.shard_optimizer:
-        return unit.layout.shard_range(engine.comm.rank)
-    return 0, unit.layout.padded_numel
+def _owned_span(engine: ZeroEngine, layout) -> tuple[int, int]:
+    """The [start, stop) of a unit's padded flat buffer (`layout`'s) that this rank's optimizer owns: what its file
+    holds."""
+    return layout.shard_range(engine.comm.rank) if engine.stage.shard_optimizer else (0, layout.padded_numel)
 
 
-def _refuse_frozen(engine: ZeroEngine) -> None:
-    """A frozen part (requires_grad=False) is not in a checkpoint's format yet: refused before any file is written,
-    not saved without it."""
-    frozen = [u.name or "<root>" for u in engine.units if u.frozen is not None]
-    if frozen:
-        raise ValueError(f"checkpoints of frozen parameters (requires_grad=False, in unit(s) {', '.join(frozen[:3])}) "
-                         "are not supported yet")
+def _frozen_span(engine: ZeroEngine, unit) -> tuple[int, int]:
+    """The [start, stop) of the unit's padded frozen buffer that this rank keeps (stage 3: its shard)."""
+    return unit.frozen.layout.shard_range(engine.comm.rank) if engine.stage.shard_params else \
+        (0, unit.frozen.layout.padded_numel)
+
+
+def _frozen_saved(engine: ZeroEngine, unit) -> torch.Tensor:
+    """The elements of the unit's frozen buffer this rank's file holds: those of the span its optimizer would own."""
+    start, stop = _owned_span(engine, unit.frozen.layout)
+    kept, _ = _frozen_span(engine, unit)
+    return unit.frozen.params[start - kept:stop - kept]
+
+
+def _unit_entry(unit) -> dict:
+    params, frozen = unit_params(unit.layout, unit.frozen and unit.frozen.layout)
+    entry = {"name": unit.name, "numel": unit.layout.numel, "padded_numel": unit.layout.padded_numel, "params": params}
+    if unit.frozen is not None:  # a frozen part (zerofunc/units.py), in the compute dtype
+        f = unit.frozen
+        entry["frozen"] = {"numel": f.layout.numel, "padded_numel": f.layout.padded_numel,
+                           "dtype": str(f.params.dtype).removeprefix("torch."), "params": frozen}
+    return entry
 
 
 def save(engine: ZeroEngine, run_dir: str | Path, step: int, extra: Optional[dict] = None,
@@ -55,7 +70,6 @@ def save(engine: ZeroEngine, run_dir: str | Path, step: int, extra: Optional[dic
     same `SaveError` after the partial directory is removed: the previous checkpoint and
     `latest` are untouched, and no rank is left waiting in a collective.
     """
-    _refuse_frozen(engine)
     final = step_dir(run_dir, step)
     root, name = final.parent, final.name
     tmp = root / f".{name}.partial"
@@ -74,6 +88,16 @@ def save(engine: ZeroEngine, run_dir: str | Path, step: int, extra: Optional[dic
         raise CheckpointError(f"refusing to save step {step}: the weights of rank {bad} hold an inf or a NaN")
     _raise_failure(rank, tmp, step, final, [f for _, f in states])
 
+    # frozen weights read from files are recorded by those files' SHA-256, not saved (zerofunc/frozen_source.py)
+    source = engine.frozen_source
+    if source is not None and "sha256" not in source:
+        share, failure = _attempt(lambda: frozen_source.hash_share(source, rank, world))
+        states = _agree(world, (share, failure))
+        _raise_failure(rank, tmp, step, final, [f for _, f in states])
+        hashes = {f: d for share, _ in states for f, d in share.items()}
+        source = {**source, "sha256": hashes,
+                  "bytes": {f: (Path(source["path"]) / f).stat().st_size for f in hashes}}
+
     digest, failure = None, None
     if (engine.stage.shard_optimizer and rank < shards) or rank == 0:  # stage 0: every rank holds the same
         def write():
@@ -81,6 +105,8 @@ def save(engine: ZeroEngine, run_dir: str | Path, step: int, extra: Optional[dic
             for i, unit in enumerate(engine.units):
                 for kind in ("master", "m", "v"):
                     tensors[f"{i}.{kind}"] = getattr(unit, kind).detach().cpu().contiguous()
+                if unit.frozen is not None and source is None:
+                    tensors[f"{i}.frozen"] = _frozen_saved(engine, unit).detach().cpu().contiguous()
             save_file(tensors, str(tmp / rank_file(shard)))
             return sha256(tmp / rank_file(shard))  # each rank hashes its own file, in parallel
         digest, failure = _attempt(write)
@@ -95,8 +121,7 @@ def save(engine: ZeroEngine, run_dir: str | Path, step: int, extra: Optional[dic
             "stage": engine.stage.level,
             "files": [rank_file(r) for r in (range(shards) if engine.stage.shard_optimizer else [0])],
             "sha256": {rank_file(r): d for r, (d, _) in enumerate(states) if d is not None},
-            "units": [{"name": u.name, "numel": u.layout.numel, "padded_numel": u.layout.padded_numel,
-                       "params": [[s.name, list(s.shape)] for s in u.layout.slots]} for u in engine.units],
+            "units": [_unit_entry(u) for u in engine.units], "frozen_source": source,
             "loss_scaler": state.loss_scale.state_dict() if state.loss_scale else None,
             "skipped_steps": state.skipped, "nonfinite_steps": state.nonfinite, "extra": extra or {},
         }
@@ -162,17 +187,24 @@ def load(engine: ZeroEngine, path: str | Path) -> dict:
     on one rank makes every rank raise the same `CheckpointError` naming it, before any rank has
     changed its engine (no rank goes on alone, to wait in a collective the others never reach).
     """
-    _refuse_frozen(engine)
     ckpt = resolve(path)
     manifest = read_manifest(ckpt)
-    check_model(ckpt, manifest, [[[s.name, list(s.shape)] for s in u.layout.slots] for u in engine.units])
+    check_model(ckpt, manifest, [unit_params(u.layout, u.frozen and u.frozen.layout) for u in engine.units])
     world = engine.data_parallel_size  # the ranks that agree; each reads by its shard rank
     reads = []  # per unit: (unit, where its span starts here, [(file, file's start, a, b)] to copy [a, b) from)
     for i, unit in enumerate(engine.units):
-        start, stop = _owned_span(engine, unit)
+        start, stop = _owned_span(engine, unit.layout)
         pieces = [(f, lo, max(lo, start), min(hi, stop, unit.layout.numel)) for f, lo, hi in saved_spans(manifest, i)]
         reads.append((unit, start, [p for p in pieces if p[2] < p[3]]))
-    files = sorted({f for _, _, pieces in reads for f, *_ in pieces})
+    source = manifest.get("frozen_source")
+    frozen_reads = []  # per unit with frozen parameters: as `reads`, of its frozen buffer; none read from a source
+    for i, unit in enumerate(engine.units):
+        if unit.frozen is not None and source is None:
+            start, stop = _frozen_span(engine, unit)
+            pieces = [(f, lo, max(lo, start), min(hi, stop, unit.frozen.layout.numel))
+                      for f, lo, hi in saved_spans(manifest, i, frozen=True)]
+            frozen_reads.append((unit, start, [p for p in pieces if p[2] < p[3]], i))
+    files = sorted({f for _, _, pieces, *_ in reads + frozen_reads for f, *_ in pieces})
 
     def copy():
         handles = {f: safe_open(str(ckpt / f), framework="pt") for f in files}
@@ -183,8 +215,26 @@ def load(engine: ZeroEngine, path: str | Path) -> dict:
                     target.zero_()  # padding stays zero
                     for f, lo, a, b in pieces:
                         target[a - start:b - start].copy_(handles[f].get_slice(f"{i}.{kind}")[a - lo:b - lo])
+        for unit, start, pieces, i in frozen_reads:
+            with torch.no_grad():
+                for f, lo, a, b in pieces:
+                    unit.frozen.params[a - start:b - start].copy_(handles[f].get_slice(f"{i}.frozen")[a - lo:b - lo])
+        if source is not None:  # the frozen weights from the files they were first read from, checked below
+            reader = frozen_source.SourceReader(source, checked=True)
+            for unit in engine.units:
+                if unit.frozen is not None:
+                    start, stop = _frozen_span(engine, unit)
+                    with torch.no_grad():
+                        for slot, lo, hi, at in unit.frozen.layout.pieces(start, stop):
+                            reader.read_into(slot.name, slot.shape, lo, hi, unit.frozen.params[at:at + hi - lo],
+                                             NoMemoryTracking())
 
-    _load_step(ckpt, world, lambda: check_files(ckpt, manifest, files))
+    def check():
+        check_files(ckpt, manifest, files)
+        if source is not None:  # each rank hashes its share of the frozen weights' files
+            frozen_source.check_share(source, _data_parallel_rank(engine), world)
+
+    _load_step(ckpt, world, check)
     _load_step(ckpt, world, copy)  # a truncated file of a checkpoint from before checksums fails here
     scale = engine.state.loss_scale
     if scale is not None and manifest.get("loss_scaler"):
@@ -193,6 +243,7 @@ def load(engine: ZeroEngine, path: str | Path) -> dict:
     engine.state = OptimizerState(manifest["optimizer_steps"], manifest.get("skipped_steps", 0),
                                   manifest.get("nonfinite_steps", 0), loss_scale=scale)
     engine.optimizer.refresh_params()
+    engine.frozen_source = source  # the next save records the same files again
     return manifest
 
 

@@ -20,13 +20,14 @@ from typing import Optional
 import torch
 from safetensors import safe_open
 
+from sim.memory import NoMemoryTracking
 from zerofunc.layout import FlatLayout
 
 FORMAT = "zerofunc-checkpoint-1"
 
 
 class CheckpointError(ValueError):
-    pass
+    bad_input = True  # found in a rank too (a checksum, a frozen weights' file), it is still the user's: one line, exit 2
 
 
 def rank_file(rank: int) -> str:
@@ -100,45 +101,68 @@ def check_files(ckpt: Path, manifest: dict, files: Optional[list[str]] = None) -
         check_file(ckpt, manifest, f)
 
 
-def verify(path: str | Path, units: list[list]) -> dict:
+def unit_params(layout: FlatLayout, frozen: Optional[FlatLayout] = None) -> tuple[list, list]:
+    """A unit's parameters as a manifest lists them: [name, shape] pairs, trainable and frozen."""
+    return ([[s.name, list(s.shape)] for s in layout.slots],
+            [[s.name, list(s.shape)] for s in frozen.slots] if frozen is not None else [])
+
+
+def verify(path: str | Path, units: list[tuple[list, list]]) -> dict:
     """Check a checkpoint before any rank starts: its manifest, every shard's header, and that
-    its parameters are `units` (per unit, [name, shape] pairs). Returns the manifest."""
+    its parameters are `units` (per unit, `unit_params`' pair). Returns the manifest."""
     ckpt = resolve(path)
     manifest = read_manifest(ckpt)
     check_model(ckpt, manifest, units)
-    for i in range(len(manifest["units"])):
-        for f, lo, hi in saved_spans(manifest, i):
-            try:
-                with safe_open(str(ckpt / f), framework="pt") as h:
-                    sizes = {h.get_slice(f"{i}.{kind}").get_shape()[0] for kind in ("master", "m", "v")}
-            except Exception as e:
-                raise CheckpointError(f"checkpoint {ckpt}: {f} is corrupt ({type(e).__name__}: {e})") from None
-            if sizes != {hi - lo}:
-                raise CheckpointError(f"checkpoint {ckpt}: {f} holds {sorted(sizes)} elements of unit {i}, "
-                                      f"expected {hi - lo}")
+    saved_frozen = manifest.get("frozen_source") is None
+    for i, unit in enumerate(manifest["units"]):
+        parts = [("master", "m", "v")] + ([("frozen",)] if "frozen" in unit and saved_frozen else [])
+        for kinds in parts:
+            for f, lo, hi in saved_spans(manifest, i, frozen=kinds == ("frozen",)):
+                try:
+                    with safe_open(str(ckpt / f), framework="pt") as h:
+                        sizes = {h.get_slice(f"{i}.{kind}").get_shape()[0] for kind in kinds}
+                except Exception as e:
+                    raise CheckpointError(f"checkpoint {ckpt}: {f} is corrupt ({type(e).__name__}: {e})") from None
+                if sizes != {hi - lo}:
+                    raise CheckpointError(f"checkpoint {ckpt}: {f} holds {sorted(sizes)} elements of unit {i}, "
+                                          f"expected {hi - lo}")
     check_files(ckpt, manifest)  # whole files, after the headers have said what is wrong in the usual case
+    if not saved_frozen:
+        from zerofunc import frozen_source
+        frozen_source.check_present(manifest["frozen_source"])
     return manifest
 
 
-def check_model(ckpt: Path, manifest: dict, units: list[list]) -> None:
-    if [u["params"] for u in manifest["units"]] != units:
+def check_model(ckpt: Path, manifest: dict, units: list[tuple[list, list]]) -> None:
+    """The checkpoint's parameters are `units` (per unit, `unit_params`' trainable and frozen lists)."""
+    saved = [(u["params"], u.get("frozen", {}).get("params", [])) for u in manifest["units"]]
+    if [sorted(a + b) for a, b in saved] != [sorted(a + b) for a, b in units]:
         raise CheckpointError(f"checkpoint {ckpt} holds a different model (its parameters do not match)")
+    if saved != [tuple(u) for u in units]:
+        raise CheckpointError(f"checkpoint {ckpt} was saved with other parameters frozen (requires_grad=False): "
+                              "freeze the same ones (the same --lora) to resume it")
 
 
-def saved_spans(manifest: dict, unit_index: int) -> list[tuple[str, int, int]]:
-    """(file, start, stop) of each saved shard of a unit, in its padded flat buffer."""
+def saved_spans(manifest: dict, unit_index: int, frozen: bool = False) -> list[tuple[str, int, int]]:
+    """(file, start, stop) of each saved shard of a unit, in its padded flat buffer (`frozen`: its frozen one)."""
     unit = manifest["units"][unit_index]
+    padded = unit["frozen"]["padded_numel"] if frozen else unit["padded_numel"]
     if len(manifest["files"]) == 1:
-        return [(manifest["files"][0], 0, unit["padded_numel"])]
-    size = unit["padded_numel"] // manifest["world_size"]
+        return [(manifest["files"][0], 0, padded)]
+    size = padded // manifest["world_size"]
     return [(f, r * size, (r + 1) * size) for r, f in enumerate(manifest["files"])]
 
 
 def consolidated(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every parameter, whole, in fp32, from a checkpoint's masters (no process group needed)."""
+    """Every parameter, whole, in fp32, from a checkpoint's masters (no process group needed); a frozen one
+    from its saved values or from the files its manifest records (zerofunc/frozen_source.py)."""
+    from zerofunc import frozen_source  # which reads through this module's checksums
     ckpt = resolve(path)
     manifest = read_manifest(ckpt)
     check_files(ckpt, manifest)  # every file, before any tensor is read
+    source = manifest.get("frozen_source")
+    if source is not None:  # every file, before any tensor is read
+        frozen_source.check_share(source, 0, 1)
     out = {}
     try:
         handles = {f: safe_open(str(ckpt / f), framework="pt") for f in manifest["files"]}
@@ -148,6 +172,18 @@ def consolidated(path: str | Path) -> dict[str, torch.Tensor]:
             # shards were padded to 16 elements have less)
             layout = FlatLayout.build(unit["params"], manifest["world_size"])
             out.update({s.name: flat[s.offset:s.offset + s.numel].view(s.shape).clone() for s in layout.slots})
+            if "frozen" not in unit:
+                continue
+            layout = FlatLayout.build(unit["frozen"]["params"], manifest["world_size"])
+            if source is not None:
+                reader = frozen_source.SourceReader(source, checked=True)
+                for s in layout.slots:
+                    out[s.name] = torch.empty(s.numel)
+                    reader.read_into(s.name, s.shape, 0, s.numel, out[s.name], NoMemoryTracking())
+                    out[s.name] = out[s.name].view(s.shape)
+            else:
+                flat = torch.cat([handles[f].get_tensor(f"{i}.frozen") for f, _, _ in saved_spans(manifest, i, True)])
+                out.update({s.name: flat[s.offset:s.offset + s.numel].view(s.shape).float() for s in layout.slots})
     except Exception as e:  # a truncated file of a checkpoint from before checksums
         raise CheckpointError(f"checkpoint {ckpt} is corrupt: {type(e).__name__}: {e}") from None
     return out

@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call
 
+from zerofunc import frozen_source
 from zerofunc.binding import installed
 from zerofunc.block_hooks import BlockHooks
 from zerofunc.collectives import data_parallel_sum
@@ -121,6 +122,10 @@ class ZeroEngine(BlockHooks, WholeState):
         self.units = [materialize(name, module, named, comm.world_size, comm.rank, stage, self.device, init,
                                   PRECISIONS[precision], self.memory, self.offload, self.reduce_dtype)
                       for name, module, named in partition(model, unit_names)]
+        # where the frozen weights were read from, if from files: a checkpoint records those instead of saving the
+        # weights (zerofunc/frozen_source.py); None when there are none, or they came from anywhere else
+        self.frozen_source = frozen_source.locate(
+            init, [s.name for u in self.units if u.frozen is not None for s in u.frozen.layout.slots])
         # the model's parameters, frozen ones too (a unit's `numel` counts its trainable ones)
         self.numel = sum(u.numel + (u.frozen.layout.numel if u.frozen is not None else 0) for u in self.units)
         # the units with parameters to train: a unit whose parameters are all frozen gets no gradient, no step

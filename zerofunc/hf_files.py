@@ -17,8 +17,11 @@ Each refusal is a `WeightsError` whose message is one line.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
+
+import torch
 
 from safetensors import safe_open
 
@@ -130,3 +133,41 @@ def weight_files(path: str | Path) -> dict[str, Path]:
         raise WeightsError(f"{p} is not a .safetensors file, a model directory or a zerofunc checkpoint")
     with open_safetensors(p) as h:
         return {key: p for key in h.keys()}
+
+
+def _copy_flat(out: torch.Tensor, rows: torch.Tensor, a: int, b: int) -> None:
+    """out[:] = rows.reshape(-1)[a:b] for a 2-D `rows` that may be a transposed view, without making
+    it contiguous: a part row, whole rows in one copy, a part row."""
+    width = rows.shape[1]
+    at = 0
+    if a % width:
+        n = min(width - a % width, b - a)
+        out[:n].copy_(rows[a // width, a % width:a % width + n])
+        a, at = a + n, n
+    whole = (b - a) // width
+    if whole:
+        out[at:at + whole * width].view(whole, width).copy_(rows[a // width:a // width + whole])
+        a, at = a + whole * width, at + whole * width
+    if a < b:
+        out[at:].copy_(rows[a // width, :b - a])
+
+
+def read_range(handle, key: str, shape: tuple[int, ...], lo: int, hi: int, transposed: bool,
+                out: torch.Tensor, memory) -> None:
+    """Copy elements [lo, hi) of the (our-shaped) parameter stored as `key` into `out`."""
+    sl = handle.get_slice(key)
+    if len(shape) == 0:
+        out.copy_(handle.get_tensor(key).reshape(-1))
+        return
+    width = math.prod(shape[1:])  # our row's length: a transposed weight's is the file's column count
+    r0, r1 = lo // width, math.ceil(hi / width)
+    # the rows holding [lo, hi): ours are the file's columns when transposed. safetensors hands out a
+    # view of its memory map, so the slice costs page cache, not the process's own memory; it is
+    # counted at its size anyway, as if read into a buffer, which is what the bound promises
+    block = sl[:, r0:r1] if transposed else sl[r0:r1]
+    held = memory.hold(block.numel() * block.element_size(), "other")
+    if transposed:  # ours (out, in) is the file's (in, out) transposed
+        _copy_flat(out, block.t(), lo - r0 * width, hi - r0 * width)
+    else:
+        out.copy_(block.reshape(-1)[lo - r0 * width:hi - r0 * width])
+    memory.drop(held)

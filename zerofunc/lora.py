@@ -109,6 +109,10 @@ class _Adapter:
         return out + layer.lora_B(layer.lora_A(x.to(layer.lora_A.weight.dtype))).to(out.dtype) * self.scaling
 
 
+def is_adapter(name: str) -> bool:
+    return name.endswith((".lora_A.weight", ".lora_B.weight"))
+
+
 def adapter_value(name: str, shape: tuple[int, ...], seed: int) -> Optional[torch.Tensor]:
     """An adapter weight's initial value from (seed, name) alone, as PEFT draws it: lora_A kaiming-uniform
     with a = sqrt(5) (bound 1 / sqrt(in)), lora_B zeros; None for any other parameter."""
@@ -129,10 +133,15 @@ class WithAdapters:
         self.base, self.seed = base, seed
         if hasattr(base, "read_into"):
             self.read_into = self._read_into
+        if hasattr(base, "locate"):  # where the base's weights are stored (zerofunc/frozen_source.py)
+            self.locate = self._locate
 
     def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         value = adapter_value(name, shape, self.seed)
         return value if value is not None else self.base(name, shape)
+
+    def _locate(self, name: str):
+        return None if is_adapter(name) else self.base.locate(name)
 
     def _read_into(self, name, shape, lo, hi, out, memory) -> None:
         value = adapter_value(name, shape, self.seed)

@@ -32,8 +32,9 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from zerofunc import frozen_source
 from zerofunc.checkpoint_files import CheckpointError, check_file, read_manifest, resolve, saved_spans
-from zerofunc.hf_files import INDEX, SINGLE, WeightsError, open_safetensors, weight_files
+from zerofunc.hf_files import INDEX, SINGLE, WeightsError, open_safetensors, read_range, weight_files
 from zerofunc.hf_names import HFNames, hf_names
 from zerofunc.layout import FlatLayout
 from sim.memory import NoMemoryTracking
@@ -69,44 +70,6 @@ def weights(path: str | Path, model: nn.Module) -> "SafetensorsWeights | Checkpo
     source = CheckpointWeights(path) if is_checkpoint(path) else SafetensorsWeights(path, model)
     source.check(model)
     return source
-
-
-def _copy_flat(out: torch.Tensor, rows: torch.Tensor, a: int, b: int) -> None:
-    """out[:] = rows.reshape(-1)[a:b] for a 2-D `rows` that may be a transposed view, without making
-    it contiguous: a part row, whole rows in one copy, a part row."""
-    width = rows.shape[1]
-    at = 0
-    if a % width:
-        n = min(width - a % width, b - a)
-        out[:n].copy_(rows[a // width, a % width:a % width + n])
-        a, at = a + n, n
-    whole = (b - a) // width
-    if whole:
-        out[at:at + whole * width].view(whole, width).copy_(rows[a // width:a // width + whole])
-        a, at = a + whole * width, at + whole * width
-    if a < b:
-        out[at:].copy_(rows[a // width, :b - a])
-
-
-def _read_range(handle, key: str, shape: tuple[int, ...], lo: int, hi: int, transposed: bool,
-                out: torch.Tensor, memory) -> None:
-    """Copy elements [lo, hi) of the (our-shaped) parameter stored as `key` into `out`."""
-    sl = handle.get_slice(key)
-    if len(shape) == 0:
-        out.copy_(handle.get_tensor(key).reshape(-1))
-        return
-    width = math.prod(shape[1:])  # our row's length: a transposed weight's is the file's column count
-    r0, r1 = lo // width, math.ceil(hi / width)
-    # the rows holding [lo, hi): ours are the file's columns when transposed. safetensors hands out a
-    # view of its memory map, so the slice costs page cache, not the process's own memory; it is
-    # counted at its size anyway, as if read into a buffer, which is what the bound promises
-    block = sl[:, r0:r1] if transposed else sl[r0:r1]
-    held = memory.hold(block.numel() * block.element_size(), "other")
-    if transposed:  # ours (out, in) is the file's (in, out) transposed
-        _copy_flat(out, block.t(), lo - r0 * width, hi - r0 * width)
-    else:
-        out.copy_(block.reshape(-1)[lo - r0 * width:hi - r0 * width])
-    memory.drop(held)
 
 
 class SafetensorsWeights:
@@ -151,7 +114,12 @@ class SafetensorsWeights:
 
     def read_into(self, name: str, shape: tuple[int, ...], lo: int, hi: int, out: torch.Tensor, memory) -> None:
         key = self.names.key(name)
-        _read_range(self._handle(self.files[key]), key, tuple(shape), lo, hi, self.names.transposed(name), out, memory)
+        read_range(self._handle(self.files[key]), key, tuple(shape), lo, hi, self.names.transposed(name), out, memory)
+
+    def locate(self, name: str) -> tuple[Path, str, bool]:
+        """Where parameter `name` is stored: (file, tensor key, stored transposed); zerofunc/frozen_source.py."""
+        key = self.names.key(name)
+        return self.files[key], key, self.names.transposed(name)
 
     def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """The whole parameter, in fp32 (for callers that take an init function)."""
@@ -161,7 +129,8 @@ class SafetensorsWeights:
 
 
 class CheckpointWeights:
-    """A zerofunc checkpoint's fp32 masters, read range by range across its rank files."""
+    """A zerofunc checkpoint's fp32 masters (and its frozen weights, saved or in the files it records), read range
+    by range across its rank files."""
 
     def __init__(self, path: str | Path):
         try:
@@ -169,11 +138,16 @@ class CheckpointWeights:
             self.manifest = read_manifest(self.ckpt)
         except CheckpointError as e:
             raise WeightsError(str(e)) from None
-        self.where: dict[str, tuple[int, int]] = {}  # parameter: (unit index, offset in the unit's buffer)
+        # parameter: (unit index, offset in the unit's buffer, which buffer: "master" or a frozen part's "frozen")
+        self.where: dict[str, tuple[int, int, str]] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         for i, unit in enumerate(self.manifest["units"]):
-            for slot in FlatLayout.build(unit["params"], self.manifest["world_size"]).slots:
-                self.where[slot.name], self.shapes[slot.name] = (i, slot.offset), slot.shape
+            parts = [("master", unit["params"])] + ([("frozen", unit["frozen"]["params"])] if "frozen" in unit else [])
+            for kind, params in parts:
+                for slot in FlatLayout.build(params, self.manifest["world_size"]).slots:
+                    self.where[slot.name], self.shapes[slot.name] = (i, slot.offset, kind), slot.shape
+        source = self.manifest.get("frozen_source")  # frozen weights kept in their first files, not here
+        self._source = frozen_source.SourceReader(source) if source is not None else None
         self._handles: dict[str, object] = {}
 
     def check(self, model: nn.Module) -> None:
@@ -188,17 +162,29 @@ class CheckpointWeights:
             raise WeightsError(f"unexpected tensor {name} in checkpoint {self.ckpt}: the model has no such parameter")
 
     def read_into(self, name: str, shape: tuple[int, ...], lo: int, hi: int, out: torch.Tensor, memory) -> None:
-        unit, offset = self.where[name]
+        unit, offset, kind = self.where[name]
+        if kind == "frozen" and self._source is not None:
+            try:
+                return self._source.read_into(name, shape, lo, hi, out, memory)
+            except CheckpointError as e:
+                raise WeightsError(str(e)) from None
         start, stop = offset + lo, offset + hi
-        for f, a, b in saved_spans(self.manifest, unit):
+        for f, a, b in saved_spans(self.manifest, unit, frozen=kind == "frozen"):
             lo_, hi_ = max(a, start), min(b, stop)
             if lo_ < hi_:
                 if f not in self._handles:  # a file's checksum before its first read, of the files read only
                     self._handles[f] = self._checked_open(f)
-                piece = self._handles[f].get_slice(f"{unit}.master")[lo_ - a:hi_ - a]
+                piece = self._handles[f].get_slice(f"{unit}.{kind}")[lo_ - a:hi_ - a]
                 held = memory.hold(piece.numel() * piece.element_size(), "other")
                 out[lo_ - start:hi_ - start].copy_(piece)
                 memory.drop(held)
+
+    def locate(self, name: str) -> Optional[tuple[Path, str, bool]]:
+        """A frozen weight this checkpoint keeps in the files it records is stored there (zerofunc/frozen_source.py)."""
+        if self._source is None or self.where[name][2] != "frozen":
+            return None
+        f, key, transposed = self._source.record["keys"][name]
+        return Path(self._source.record["path"]) / f, key, transposed
 
     def _checked_open(self, f: str):
         """Rank file `f`, hashed whole first. Only the files a rank reads are hashed by it: every rank

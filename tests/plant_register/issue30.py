@@ -24,7 +24,7 @@ PLANTS: list[Plant] = [
           '"rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.rms_norm_eps,', '"rope_theta": cfg.rope_theta,',
           "config.json written without rms_norm_eps: Hugging Face builds the exported model with its default",
           "issue 30 (test_llama tolerances)", ("tests/test_llama.py", "-k", "logits_equal_hugging_face")),
-    Plant("load_through_bf16", "zerofunc/pretrained.py",
+    Plant("load_through_bf16", "zerofunc/hf_files.py",
           "        out.copy_(block.reshape(-1)[lo - r0 * width:hi - r0 * width])\n",
           "        out.copy_(block.reshape(-1)[lo - r0 * width:hi - r0 * width].to(torch.bfloat16))\n",
           "pretrained fp32 weights rounded to bf16 on their way in: the fine-tune starts from other weights",

@@ -1,0 +1,34 @@
+"""The plant register: checkpoints of frozen weights (zerofunc/checkpoint.py, zerofunc/frozen_source.py, issue 32)."""
+from __future__ import annotations
+
+from tests.plant_register.common import Plant
+
+CKPT = "zerofunc/checkpoint.py"
+SAVED = "tests/test_frozen_checkpoint.py::test_frozen_weights_resume_bit_for_bit_at_another_world_size_and_stage"
+SOURCE = "tests/test_frozen_checkpoint.py::test_a_lora_checkpoint_records_its_base_files_and_resumes_from_them"
+
+PLANTS: list[Plant] = [
+    Plant("frozen_checkpoint_not_loaded", CKPT,
+          "                    unit.frozen.params[a - start:b - start].copy_(",
+          "                    unit.frozen.params[a - start:b - start].add_(0 * ",
+          "a load restores the trained weights and moments but leaves the frozen ones as the engine made them: "
+          "a resumed partial fine-tune runs on another base",
+          "issue 32", (SAVED,)),
+    Plant("frozen_checkpoint_trainable_span", CKPT,
+          "    start, stop = _owned_span(engine, unit.frozen.layout)\n",
+          "    start, stop = _owned_span(engine, unit.layout)\n",
+          "each rank saves the span of the trainable buffer's shard boundaries out of its frozen buffer: at another "
+          "world size the frozen weights come back shifted",
+          "issue 32", (SAVED,)),
+    Plant("frozen_source_not_read_on_load", CKPT,
+          "                            reader.read_into(slot.name, slot.shape, lo, hi, unit.frozen.params[at:at + hi - lo],",
+          "                            (lambda *a: None)(slot.name, slot.shape, lo, hi, unit.frozen.params[at:at + hi - lo],",
+          "a checkpoint that records its frozen weights' files resumes without reading them: the run goes on with "
+          "whatever the engine was initialized with (random weights, on resume)",
+          "issue 32", (SOURCE,)),
+    Plant("frozen_source_hash_not_checked", "zerofunc/frozen_source.py",
+          "    if _sha256(path) != record[\"sha256\"][f]:\n",
+          "    if False:\n",
+          "a changed base file is read as if it were the one the adapters were trained on",
+          "issue 32", (SOURCE,)),
+]

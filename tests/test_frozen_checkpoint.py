@@ -1,0 +1,165 @@
+"""Checkpoints of frozen weights (issue 32): resumed bit for bit at another world size and stage, saved in the
+rank files when they came from nowhere else, and recorded by file and SHA-256, not saved, when they were read
+from pretrained files (zerofunc/frozen_source.py), so that a LoRA checkpoint costs about its adapters.
+
+Bit for bit is the bound, not a tolerance: a frozen weight is stored in the compute dtype and copied, never
+computed, so any difference is a wrong element. The loading engines start from other weights (every
+parameter moved by 1) so that nothing right can come from their own initialization."""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import zerofunc
+from tests.bare import in_world
+from tests.steps import recorded_steps
+from tests.test_api import OPTIM, batches
+from tests.test_checkpoint_files import flip_last_byte
+from tests.test_frozen import frozen_model
+from zerofunc import checkpoint
+from zerofunc.checkpoint_files import consolidated, resolve
+
+pytestmark = pytest.mark.slow
+
+
+def _engine(stage: int, precision: str, moved: bool):
+    model = frozen_model("tokens")
+    if moved:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage}, "optimizer": OPTIM}
+    if precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    return zerofunc.initialize(model, config)
+
+
+def _state(engine):
+    m, v = engine.full_moments()
+    return engine.full_parameters(), m, v, engine.state.steps
+
+
+def _save(stage: int, precision: str, run: str) -> None:
+    engine = _engine(stage, precision, moved=False)
+    recorded_steps(engine, lambda rows, gen: batches("tokens", rows, gen), steps=2, seed=1)
+    checkpoint.save(engine, run, 2)
+    state = _state(engine)
+    if engine.comm.rank == 0:  # tensors go back through a file: a rank's shared-memory handles end with it
+        torch.save(state, f"{run}/before.pt")
+
+
+def _load(stage: int, precision: str, run: str) -> tuple[list[str], int, int]:
+    """The names whose weight or moments differ from the saved ones, and the step counts (saved, loaded)."""
+    engine = _engine(stage, precision, moved=True)
+    checkpoint.load(engine, run)
+    after, before = _state(engine), torch.load(f"{run}/before.pt")
+    bad = [n for got, want in zip(after[:3], before[:3]) for n in want.keys() | got.keys()
+           if n not in got or n not in want or not torch.equal(got[n], want[n])]
+    return bad, before[3], after[3]
+
+
+@pytest.mark.parametrize("saved, loaded", [((3, 3, "bf16"), (1, 2, "bf16")), ((0, 2, "fp32"), (3, 3, "fp32"))],
+                         ids=["stage 3 x 3 to stage 1 x 2, bf16", "stage 0 x 2 to stage 3 x 3, fp32"])
+def test_frozen_weights_resume_bit_for_bit_at_another_world_size_and_stage(tmp_path, saved, loaded):
+    """Frozen weights with no source are saved with the checkpoint, in the compute dtype, each file its span;
+    loaded at another world size and stage every parameter (frozen and trained), both moments and the step
+    count are those saved, bit for bit."""
+    stage, world, precision = saved
+    in_world(world, _save, stage, precision, str(tmp_path))
+    stage, world, precision = loaded
+    bad, steps_saved, steps_loaded = in_world(world, _load, stage, precision, str(tmp_path))[0]
+    assert not bad, bad
+    assert steps_loaded == steps_saved == 2
+    frozen = {n for n, p in frozen_model("tokens").named_parameters() if not p.requires_grad}
+    before = torch.load(tmp_path / "before.pt")
+    assert frozen and frozen <= set(before[0]) and frozen.isdisjoint(before[1])
+    manifest = json.loads((resolve(tmp_path) / "manifest.json").read_text())
+    assert manifest["frozen_source"] is None
+    dtypes = {u["frozen"]["dtype"] for u in manifest["units"] if "frozen" in u}
+    assert dtypes == {"bfloat16" if saved[2] == "bf16" else "float32"}
+
+
+needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                        reason="needs transformers")
+
+
+def _train(capsys, *argv) -> tuple[int, str]:
+    from train.cli import main
+
+    capsys.readouterr()
+    rc = main(list(argv))
+    return rc, capsys.readouterr().err
+
+
+def _file_value(source: dict, key_of: list) -> torch.Tensor:
+    f, key, transposed = key_of
+    with safe_open(f"{source['path']}/{f}", framework="pt") as h:
+        t = h.get_tensor(key)
+    return t.t() if transposed else t
+
+
+def _loaded_frozen_differs(config: str, run: str) -> list[str]:
+    """The frozen weights that differ from their files after `checkpoint.load` into a stage-3 engine whose own
+    weights are all zero: the engine's, not the checkpoint's view of them (which `consolidated` reads)."""
+    from zerofunc.lora import LoRA, apply_lora
+    from zerofunc.models import build_model, model_config
+
+    with torch.device("meta"):
+        model = build_model(model_config(config))
+    apply_lora(model, LoRA(4))
+    engine = zerofunc.initialize(model, {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+                                         "optimizer": OPTIM}, init=lambda name, shape: torch.zeros(shape))
+    source = checkpoint.load(engine, run)["frozen_source"]
+    full = engine.full_parameters()
+    return [n for n, where in source["keys"].items() if not torch.equal(full[n], _file_value(source, where).float())]
+
+
+@needs_transformers
+def test_a_lora_checkpoint_records_its_base_files_and_resumes_from_them(tmp_path, capsys, tiny_data):
+    """`--init-from DIR --lora 4` at stage 3 on 2 ranks saves no frozen weight: the manifest records each file of
+    DIR by SHA-256 and each frozen parameter by file and key. Resumed at stage 1 on 3 ranks, the run reads them
+    back from DIR, and the checkpoint it saves then records the same files: every frozen weight is the file's,
+    bit for bit. A changed file is refused in one line (a rank hashes it), a missing one before any rank
+    starts; neither trains a step."""
+    from tests.hf_dirs import save_hf_dir
+
+    base = save_hf_dir("llama", tmp_path / "llama")
+    run = tmp_path / "run"
+    common = ["--init-from", str(base), "--lora", "4", "--seq", "32", "--data", tiny_data, "--out", str(run)]
+    rc, err = _train(capsys, *common, "--stage", "3", "--nproc", "2", "--steps", "2", "--save-every", "2")
+    assert rc == 0, err
+    manifest = json.loads((resolve(run) / "manifest.json").read_text())
+    source = manifest["frozen_source"]
+    shards = sorted(p.name for p in base.glob("*.safetensors"))
+    assert len(shards) > 1 and sorted(source["sha256"]) == shards
+    assert source["sha256"] == {f: hashlib.sha256((base / f).read_bytes()).hexdigest() for f in shards}
+    for f in manifest["files"]:
+        with safe_open(str(resolve(run) / f), framework="pt") as h:
+            assert not [k for k in h.keys() if k.endswith(".frozen")]
+
+    rc, err = _train(capsys, *common, "--stage", "1", "--nproc", "3", "--steps", "3", "--save-every", "1",
+                     "--resume")
+    assert rc == 0, err
+    after = json.loads((resolve(run) / "manifest.json").read_text())
+    assert after["step"] == 3 and after["frozen_source"] == source
+    weights = consolidated(run)
+    frozen = [n for u in after["units"] if "frozen" in u for n, _ in u["frozen"]["params"]]
+    assert frozen and set(frozen) == set(source["keys"])
+    bad = [n for n in frozen if not torch.equal(weights[n], _file_value(source, source["keys"][n]).float())]
+    assert not bad, bad
+    assert in_world(2, _loaded_frozen_differs, str(base / "config.json"), str(run)) == [[], []]
+
+    flip_last_byte(base / shards[0])  # the same size: only its hash tells
+    rc, err = _train(capsys, *common, "--stage", "3", "--nproc", "2", "--steps", "4", "--resume")
+    assert rc == 2 and err.startswith("error: ") and "\n" not in err.strip(), err
+    assert "changed since the checkpoint was saved" in err and str(base / shards[0]) in err, err
+    flip_last_byte(base / shards[0])
+    (base / shards[-1]).rename(tmp_path / "elsewhere.safetensors")
+    rc, err = _train(capsys, *common, "--stage", "3", "--nproc", "2", "--steps", "4", "--resume")
+    assert rc == 2 and err.startswith("error: ") and "is missing" in err and "\n" not in err.strip(), err
+    assert json.loads((resolve(run) / "manifest.json").read_text())["step"] == 3
