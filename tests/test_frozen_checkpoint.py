@@ -103,6 +103,44 @@ def _file_value(source: dict, key_of: list) -> torch.Tensor:
     return t.t() if transposed else t
 
 
+def _merged_export_gives_the_trainers_logits(run, base, out) -> None:
+    """`consolidate --hf` of a LoRA run writes the base architecture with W + (alpha / r) B A, merged in fp32:
+    Hugging Face's model of it gives the logits of ours with the adapters (the consolidated weights, through
+    apply_lora) within tests/test_export.py's TOL. Merging rounds each weight once in fp32, which moves the
+    logits by about the fp32 forward's own rounding r (measured here as ours in fp32 against ours in fp64), so
+    both the fp32 and the fp64 logits must agree within TOL >= 2r; a merge without the scaling, or with B A
+    transposed, moves them by 1e-4 or more (the adapters after 3 steps)."""
+    from tests.test_export import TOL, load_hf
+    from zerofunc.consolidate import main as consolidate
+    from zerofunc.lora import LoRA, apply_lora
+    from zerofunc.models import build_model, model_config
+
+    assert consolidate([str(run), str(out), "--hf", "--max-shard-size", "100KB"]) == 0
+    theirs = load_hf(out)
+    model = build_model(model_config(str(base / "config.json")))
+    apply_lora(model, LoRA(4))
+    model.load_state_dict(consolidated(run), strict=True)
+    model.eval()
+    x = torch.randint(0, model.cfg.vocab_size, (2, 19), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours32, theirs32 = model(x), theirs(input_ids=x).logits
+        ours64, theirs64 = model.double()(x), theirs.double()(input_ids=x).logits
+    rounding = (ours32 - ours64).abs().max().item()
+    assert 2 * rounding <= TOL, f"fp32 rounding of {rounding:.1e} leaves no room under {TOL}"
+    adapters = (model.double()(x) - _without_adapters(model)(x)).abs().max().item()
+    assert adapters > 100 * TOL, f"the adapters move the logits by {adapters:.1e} only: the test would not see them"
+    for got, want in ((theirs32, ours32), (theirs64, ours64)):
+        assert (got - want).abs().max().item() <= TOL, (got - want).abs().max().item()
+
+
+def _without_adapters(model):
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".lora_B.weight"):
+                p.zero_()
+    return model
+
+
 def _loaded_frozen_differs(config: str, run: str) -> list[str]:
     """The frozen weights that differ from their files after `checkpoint.load` into a stage-3 engine whose own
     weights are all zero: the engine's, not the checkpoint's view of them (which `consolidated` reads)."""
@@ -153,6 +191,7 @@ def test_a_lora_checkpoint_records_its_base_files_and_resumes_from_them(tmp_path
     bad = [n for n in frozen if not torch.equal(weights[n], _file_value(source, source["keys"][n]).float())]
     assert not bad, bad
     assert in_world(2, _loaded_frozen_differs, str(base / "config.json"), str(run)) == [[], []]
+    _merged_export_gives_the_trainers_logits(run, base, tmp_path / "merged")
 
     flip_last_byte(base / shards[0])  # the same size: only its hash tells
     rc, err = _train(capsys, *common, "--stage", "3", "--nproc", "2", "--steps", "4", "--resume")

@@ -6,7 +6,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -214,7 +214,8 @@ def _newest(args: TrainArgs, saved) -> str:
 
 
 def _save(engine, args: TrainArgs, step: int, state) -> Path:
-    return checkpoint.save(engine, args.out, step, extra={"model": args.model, "seed": args.seed}, state=state)
+    extra = {"model": args.model, "seed": args.seed, "lora": asdict(args.lora) if args.lora else None}
+    return checkpoint.save(engine, args.out, step, extra=extra, state=state)
 
 
 def _open_metrics(out: str, keep_through: int):

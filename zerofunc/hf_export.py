@@ -26,7 +26,7 @@ import math
 import os
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -35,9 +35,12 @@ import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from sim.memory import NoMemoryTracking
 from zerofunc.checkpoint_files import CheckpointError, check_files, read_manifest, resolve, saved_spans
+from zerofunc.frozen_source import SourceReader, check_share
 from zerofunc.hf_names import architecture, hf_names
 from zerofunc.layout import FlatLayout
+from zerofunc.lora import is_adapter
 from zerofunc.models import MODELS, build_model, hf_config_dict, model_config
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -87,6 +90,9 @@ class OutTensor:
     offset: int              # its first element in that buffer
     shape: tuple[int, ...]   # the parameter's shape, ours
     transposed: bool         # stored (in, out): GPT-2's Conv1D
+    name: str = ""           # ours
+    part: str = "master"     # the buffer: the fp32 masters, or a frozen part's ("frozen")
+    merge: Optional[tuple["OutTensor", "OutTensor", float]] = None  # LoRA's A, B and scaling, merged into it
 
     @property
     def numel(self) -> int:
@@ -123,23 +129,43 @@ def build_meta_model(spec: str) -> nn.Module:
 
 def plan_tensors(ckpt: Path, manifest: dict, model: nn.Module, spec: str) -> list[OutTensor]:
     """The export's tensors, in the model's parameter order (Hugging Face's order: embedding first, head
-    last), after checking that the checkpoint holds exactly the model's parameters."""
+    last), after checking that the checkpoint holds exactly the model's parameters: the base model's, frozen or
+    not, and, when the trainer recorded its LoRA, the adapters it merges into their weights."""
     where, saved = {}, {}
     for i, unit in enumerate(manifest["units"]):
-        for slot in FlatLayout.build(unit["params"], manifest["world_size"]).slots:
-            where[slot.name], saved[slot.name] = (i, slot.offset), slot.shape
+        parts = [("master", unit["params"])] + ([("frozen", unit["frozen"]["params"])] if "frozen" in unit else [])
+        for part, params in parts:
+            for slot in FlatLayout.build(params, manifest["world_size"]).slots:
+                where[slot.name], saved[slot.name] = (i, slot.offset, part), slot.shape
+    lora = manifest.get("extra", {}).get("lora")
+    adapters = {n for n in saved if is_adapter(n)} if lora else set()
     ours = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    if saved != ours:
-        missing, unexpected = sorted(ours.keys() - saved.keys()), sorted(saved.keys() - ours.keys())
-        reshaped = [f"{n} {list(saved[n])} (model: {list(ours[n])})" for n in ours.keys() & saved.keys()
-                    if saved[n] != ours[n]]
+    base = {n: shape for n, shape in saved.items() if n not in adapters}
+    if base != ours:
+        missing, unexpected = sorted(ours.keys() - base.keys()), sorted(base.keys() - ours.keys())
+        reshaped = [f"{n} {list(base[n])} (model: {list(ours[n])})" for n in ours.keys() & base.keys()
+                    if base[n] != ours[n]]
         parts = [f"{what}: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}" for what, names in
                  (("not in the checkpoint", missing), ("not in the model", unexpected),
                   ("shapes differ", sorted(reshaped))) if names]
         raise ExportError(f"checkpoint {ckpt} does not hold model {spec} ({'; '.join(parts)})")
     names = hf_names(model)
-    return [OutTensor(names.key(name), *where[name], shape, names.transposed(name))
-            for name, shape in ours.items() if not names.skipped(names.key(name))]
+
+    def planned(name: str, key: str = "", transposed: bool = False) -> OutTensor:
+        unit, offset, part = where[name]
+        return OutTensor(key, unit, offset, saved[name], transposed, name, part)
+
+    out = []
+    for name, shape in ours.items():
+        if names.skipped(names.key(name)):
+            continue
+        t = planned(name, names.key(name), names.transposed(name))
+        module = name.removesuffix(".weight")
+        if f"{module}.lora_A.weight" in adapters:  # W + (alpha / r) B A, in fp32
+            a, b = planned(f"{module}.lora_A.weight"), planned(f"{module}.lora_B.weight")
+            t = replace(t, merge=(a, b, lora["alpha"] / lora["r"]))
+        out.append(t)
+    return out
 
 
 def plan_shards(tensors: list[OutTensor], dtype: torch.dtype, max_bytes: int) -> list[list[OutTensor]]:
@@ -161,8 +187,17 @@ def shard_file_names(n: int) -> list[str]:
     return ["model.safetensors"] if n == 1 else [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
 
 
-def read_tensor(handles: dict, manifest: dict, t: OutTensor, dtype: torch.dtype) -> torch.Tensor:
-    """Parameter `t`, whole, in `dtype` and stored layout, from the masters in the rank files it spans."""
+def read_tensor(handles: dict, manifest: dict, t: OutTensor, dtype: torch.dtype,
+                source: Optional[SourceReader] = None) -> torch.Tensor:
+    """Parameter `t`, whole, in `dtype` and stored layout, from the rank files it spans (a master's, chunk by chunk;
+    a frozen one's from the files or from `source`, the files the checkpoint records), its adapters merged."""
+    if t.part == "frozen" or t.merge is not None:
+        value = _read_ours(handles, manifest, t, source)
+        if t.merge is not None:
+            a, b, scaling = t.merge
+            value += scaling * (_read_ours(handles, manifest, b, source) @ _read_ours(handles, manifest, a, source))
+        value = value.to(dtype)
+        return value.t().contiguous() if t.transposed else value
     out = torch.empty(t.stored_shape, dtype=dtype)
     rows = out.t() if t.transposed else out.view(1, -1)  # our (out, in) layout, written through
     start, stop = t.offset, t.offset + t.numel
@@ -172,6 +207,20 @@ def read_tensor(handles: dict, manifest: dict, t: OutTensor, dtype: torch.dtype)
             b = min(a + CHUNK, hi, stop)
             _copy_flat_range(rows, a - start, master[a - lo:b - lo])
     return out
+
+
+def _read_ours(handles: dict, manifest: dict, t: OutTensor, source: Optional[SourceReader]) -> torch.Tensor:
+    """Parameter `t` whole, in fp32 and our layout."""
+    out = torch.empty(t.numel, dtype=torch.float32)
+    if t.part == "frozen" and source is not None:
+        source.read_into(t.name, t.shape, 0, t.numel, out, NoMemoryTracking())
+        return out.view(t.shape)
+    start, stop = t.offset, t.offset + t.numel
+    for f, lo, hi in saved_spans(manifest, t.unit, frozen=t.part == "frozen"):
+        if max(lo, start) < min(hi, stop):
+            a, b = max(lo, start), min(hi, stop)
+            out[a - start:b - start].copy_(handles[f].get_slice(f"{t.unit}.{t.part}")[a - lo:b - lo])
+    return out.view(t.shape)
 
 
 def _copy_flat_range(rows: torch.Tensor, at: int, values: torch.Tensor) -> None:
@@ -255,6 +304,8 @@ def export(checkpoint: str, out_dir: str, *, dtype: torch.dtype = torch.float32,
         raise ExportError(f"cannot write {out}: {e.strerror}") from None
     try:
         check_files(ckpt, manifest)  # every file, whole, before any tensor is read
+        if manifest.get("frozen_source") is not None:  # and the files the frozen weights are kept in
+            check_share(manifest["frozen_source"], 0, 1)
         _write(ckpt, manifest, tmp, config, shards, dtype, copies)
         os.replace(tmp, out)  # an empty OUT_DIR is replaced; never a half-written one under the real name
     except OSError as e:
@@ -272,6 +323,7 @@ def _write(ckpt: Path, manifest: dict, tmp: Path, config: dict, shards: list[lis
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     files = shard_file_names(len(shards))
     file_mode = (tmp / "config.json").stat().st_mode & 0o777  # 0666 under the user's umask
+    source = SourceReader(manifest["frozen_source"], checked=True) if manifest.get("frozen_source") else None
     with contextlib.ExitStack() as stack:
         try:
             handles = {f: stack.enter_context(safe_open(str(ckpt / f), framework="pt")) for f in manifest["files"]}
@@ -279,7 +331,7 @@ def _write(ckpt: Path, manifest: dict, tmp: Path, config: dict, shards: list[lis
             raise CheckpointError(f"checkpoint {ckpt} is corrupt: {type(e).__name__}: {e}") from None
         for name, shard in zip(files, shards):
             try:
-                tensors = {t.key: read_tensor(handles, manifest, t, dtype) for t in shard}
+                tensors = {t.key: read_tensor(handles, manifest, t, dtype, source) for t in shard}
             except Exception as e:  # a truncated file of a checkpoint from before checksums
                 raise CheckpointError(f"checkpoint {ckpt} is corrupt: {type(e).__name__}: {e}") from None
             try:

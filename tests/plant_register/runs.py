@@ -108,10 +108,9 @@ PLANTS: list[Plant] = [
           "rows = out.t() if t.transposed else out.view(1, -1)", "rows = out.view(1, -1)",
           "an exported GPT-2 has its Conv1D weights in the wrong layout", "issue 24 note", ("tests/test_export.py", *FAST)),
     Plant("export_keeps_tied_head", "zerofunc/hf_export.py",
-          "            for name, shape in ours.items() if not names.skipped(names.key(name))]\n",
-          "            for name, shape in ours.items() if not names.skipped(names.key(name))] + [\n"
-          '        OutTensor("lm_head.weight", *where[name], shape, False) for name, shape in ours.items()\n'
-          '        if names.tied and name.endswith(("embed_tokens.weight", "wte.weight"))]\n',
+          "        out.append(t)\n    return out\n",
+          "        out.append(t)\n    return out + [replace(t, key=\"lm_head.weight\") for t in out\n"
+          "                  if names.tied and t.name.endswith((\"embed_tokens.weight\", \"wte.weight\"))]\n",
           "an export of a tied model writes lm_head.weight besides the embedding", "issue 24 note",
           ("tests/test_export.py", *FAST)),
     Plant("export_without_index", "zerofunc/hf_export.py", "    if len(shards) > 1:  # always the index",
