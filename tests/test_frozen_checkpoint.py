@@ -103,34 +103,65 @@ def _file_value(source: dict, key_of: list) -> torch.Tensor:
     return t.t() if transposed else t
 
 
-def _merged_export_gives_the_trainers_logits(run, base, out) -> None:
-    """`consolidate --hf` of a LoRA run writes the base architecture with W + (alpha / r) B A, merged in fp32:
-    Hugging Face's model of it gives the logits of ours with the adapters (the consolidated weights, through
-    apply_lora) within tests/test_export.py's TOL. Merging rounds each weight once in fp32, which moves the
-    logits by about the fp32 forward's own rounding r (measured here as ours in fp32 against ours in fp64), so
-    both the fp32 and the fp64 logits must agree within TOL >= 2r; a merge without the scaling, or with B A
-    transposed, moves them by 1e-4 or more (the adapters after 3 steps)."""
-    from tests.test_export import TOL, load_hf
-    from zerofunc.consolidate import main as consolidate
+def _ours(run, base):
+    """Our model of a `--lora 4` run: the base's architecture with its adapters, the consolidated weights."""
     from zerofunc.lora import LoRA, apply_lora
     from zerofunc.models import build_model, model_config
 
-    assert consolidate([str(run), str(out), "--hf", "--max-shard-size", "100KB"]) == 0
-    theirs = load_hf(out)
     model = build_model(model_config(str(base / "config.json")))
     apply_lora(model, LoRA(4))
     model.load_state_dict(consolidated(run), strict=True)
-    model.eval()
+    return model.eval()
+
+
+def _same_logits(model, theirs) -> None:
+    """Hugging Face's (or PEFT's) model of an export gives our model's logits within tests/test_export.py's TOL,
+    in fp32 and in fp64. Merging rounds each weight once in fp32, which moves the logits by about the fp32
+    forward's own rounding r (measured here as ours in fp32 against ours in fp64), so both must agree within
+    TOL >= 2r; the adapters (after 3 steps) move the logits by far more than TOL, so an export without them,
+    or with them unscaled, fails."""
+    from tests.test_export import TOL
+
     x = torch.randint(0, model.cfg.vocab_size, (2, 19), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         ours32, theirs32 = model(x), theirs(input_ids=x).logits
         ours64, theirs64 = model.double()(x), theirs.double()(input_ids=x).logits
-    rounding = (ours32 - ours64).abs().max().item()
-    assert 2 * rounding <= TOL, f"fp32 rounding of {rounding:.1e} leaves no room under {TOL}"
-    adapters = (model.double()(x) - _without_adapters(model)(x)).abs().max().item()
+        rounding = (ours32 - ours64).abs().max().item()
+        assert 2 * rounding <= TOL, f"fp32 rounding of {rounding:.1e} leaves no room under {TOL}"
+        adapters = (ours64 - _without_adapters(model)(x)).abs().max().item()
     assert adapters > 100 * TOL, f"the adapters move the logits by {adapters:.1e} only: the test would not see them"
     for got, want in ((theirs32, ours32), (theirs64, ours64)):
         assert (got - want).abs().max().item() <= TOL, (got - want).abs().max().item()
+
+
+def _merged_export_gives_the_trainers_logits(run, base, out) -> None:
+    """`consolidate --hf` of a LoRA run writes the base architecture with W + (alpha / r) B A, merged in fp32:
+    Hugging Face's model of it gives the logits of ours with the adapters (`_same_logits`)."""
+    from tests.test_export import load_hf
+    from zerofunc.consolidate import main as consolidate
+
+    assert consolidate([str(run), str(out), "--hf", "--max-shard-size", "100KB"]) == 0
+    _same_logits(_ours(run, base), load_hf(out))
+
+
+def _peft_loads_the_adapter_and_gives_the_trainers_logits(run, base, out, conv1d: bool) -> None:
+    """`consolidate --adapter` writes PEFT's adapter directory: `PeftModel.from_pretrained` on the base model
+    loads every adapter it holds (and no other), with the run's r, alpha and targets, and gives our logits."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    from zerofunc.consolidate import main as consolidate
+
+    assert consolidate([str(run), str(out), "--adapter"]) == 0
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"], config["fan_in_fan_out"]) == ("LORA", 4, 8.0, conv1d)
+    assert config["base_model_name_or_path"] == str(base.resolve())
+    with safe_open(str(out / "adapter_model.safetensors"), framework="pt") as h:
+        assert h.metadata() == {"format": "pt"}
+        saved = {k: h.get_tensor(k) for k in h.keys()}
+    theirs = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base), out).eval()
+    loaded = peft.get_peft_model_state_dict(theirs)
+    assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved)
+    _same_logits(_ours(run, base), theirs)
 
 
 def _without_adapters(model):
@@ -158,15 +189,17 @@ def _loaded_frozen_differs(config: str, run: str) -> list[str]:
 
 
 @needs_transformers
-def test_a_lora_checkpoint_records_its_base_files_and_resumes_from_them(tmp_path, capsys, tiny_data):
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+def test_a_lora_checkpoint_records_its_base_files_and_resumes_from_them(tmp_path, capsys, tiny_data, family):
     """`--init-from DIR --lora 4` at stage 3 on 2 ranks saves no frozen weight: the manifest records each file of
     DIR by SHA-256 and each frozen parameter by file and key. Resumed at stage 1 on 3 ranks, the run reads them
     back from DIR, and the checkpoint it saves then records the same files: every frozen weight is the file's,
-    bit for bit. A changed file is refused in one line (a rank hashes it), a missing one before any rank
-    starts; neither trains a step."""
+    bit for bit. Both exports give the trainer's logits: `--hf` merged, `--adapter` through PEFT (GPT-2's
+    Conv1D with fan_in_fan_out). For the Llama, a changed file is refused in one line (a rank hashes it), a
+    missing one before any rank starts; neither trains a step."""
     from tests.hf_dirs import save_hf_dir
 
-    base = save_hf_dir("llama", tmp_path / "llama")
+    base = save_hf_dir(family, tmp_path / family)
     run = tmp_path / "run"
     common = ["--init-from", str(base), "--lora", "4", "--seq", "32", "--data", tiny_data, "--out", str(run)]
     rc, err = _train(capsys, *common, "--stage", "3", "--nproc", "2", "--steps", "2", "--save-every", "2")
@@ -192,6 +225,9 @@ def test_a_lora_checkpoint_records_its_base_files_and_resumes_from_them(tmp_path
     assert not bad, bad
     assert in_world(2, _loaded_frozen_differs, str(base / "config.json"), str(run)) == [[], []]
     _merged_export_gives_the_trainers_logits(run, base, tmp_path / "merged")
+    _peft_loads_the_adapter_and_gives_the_trainers_logits(run, base, tmp_path / "adapter", family == "gpt2")
+    if family != "llama":
+        return
 
     flip_last_byte(base / shards[0])  # the same size: only its hash tells
     rc, err = _train(capsys, *common, "--stage", "3", "--nproc", "2", "--steps", "4", "--resume")

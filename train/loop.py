@@ -214,7 +214,8 @@ def _newest(args: TrainArgs, saved) -> str:
 
 
 def _save(engine, args: TrainArgs, step: int, state) -> Path:
-    extra = {"model": args.model, "seed": args.seed, "lora": asdict(args.lora) if args.lora else None}
+    extra = {"model": args.model, "seed": args.seed, "lora": asdict(args.lora) if args.lora else None,
+             "init_from": str(Path(args.init_from).resolve()) if args.init_from else None}
     return checkpoint.save(engine, args.out, step, extra=extra, state=state)
 
 

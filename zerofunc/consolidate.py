@@ -3,12 +3,15 @@
     python -m zerofunc.consolidate CKPT out.safetensors
     python -m zerofunc.consolidate CKPT OUT_DIR --hf [--dtype bf16|fp16|fp32] [--max-shard-size 5GB]
                                    [--tokenizer PATH] [--model SPEC]
+    python -m zerofunc.consolidate CKPT OUT_DIR --adapter [--model SPEC]
 
 CKPT is a checkpoint directory or a run directory (its newest checkpoint is used). The single
 file holds the fp32 masters under the model's own names and loads into the plain model:
 model.load_state_dict(safetensors.torch.load_file(out)). With --hf, OUT_DIR becomes a
 directory that `AutoModelForCausalLM.from_pretrained(OUT_DIR)` loads, written tensor by tensor
-(zerofunc/hf_export.py). Bad input is one line `error: ...` and exit 2, with nothing written.
+(zerofunc/hf_export.py); a `--lora` run's adapted weights are merged, W + (alpha / r) B A. With --adapter,
+OUT_DIR becomes a PEFT adapter directory of a `--lora` run, which `PeftModel.from_pretrained(base, OUT_DIR)`
+loads (zerofunc/peft_export.py). Bad input is one line `error: ...` and exit 2, with nothing written.
 """
 from __future__ import annotations
 
@@ -20,16 +23,19 @@ from safetensors.torch import save_file
 
 from zerofunc.checkpoint_files import CheckpointError, consolidated
 from zerofunc.hf_export import ExportError, export, parse_dtype, parse_size
+from zerofunc.hf_files import WeightsError
+from zerofunc.peft_export import export_adapter
 from zerofunc.usage import ArgumentParser, UsageError
 
-HF_ONLY = ("dtype", "max_shard_size", "tokenizer", "model")
+HF_ONLY = ("dtype", "max_shard_size", "tokenizer")
 
 
 def parse(argv: list[str] | None):
     p = ArgumentParser(prog="python -m zerofunc.consolidate", description=__doc__.splitlines()[0])
     p.add_argument("checkpoint", help="a checkpoint directory, or a run directory")
     p.add_argument("out", help="the .safetensors file to write; with --hf, the model directory")
-    p.add_argument("--hf", action="store_true", help="write a Hugging Face model directory")
+    p.add_argument("--hf", action="store_true", help="write a Hugging Face model directory (a --lora run's merged)")
+    p.add_argument("--adapter", action="store_true", help="write a --lora run's adapters as a PEFT adapter directory")
     p.add_argument("--dtype", default=None, help="with --hf: fp32 (the masters; default), bf16 or fp16")
     p.add_argument("--max-shard-size", default=None,
                    help="with --hf: the largest weight file, as Hugging Face writes it: 5GB (default), 500MB, 1.5GiB")
@@ -37,12 +43,16 @@ def parse(argv: list[str] | None):
                    help="with --hf: a tokenizer.json, or a directory holding one; copied with the tokenizer files "
                         "beside it")
     p.add_argument("--model", default=None,
-                   help="with --hf: the model (a preset, a config.json, or a directory holding one), where the "
+                   help="with --hf or --adapter: the model (a preset, a config.json, or a directory holding one), where the "
                         "checkpoint does not record it or to override what it records")
     a = p.parse_args(argv)
+    if a.hf and a.adapter:
+        raise UsageError("--hf and --adapter write different directories: give one")
     given = [f"--{k.replace('_', '-')}" for k in HF_ONLY if getattr(a, k) is not None]
     if given and not a.hf:
         raise UsageError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} --hf")
+    if a.model is not None and not (a.hf or a.adapter):
+        raise UsageError("--model needs --hf or --adapter")
     return a
 
 
@@ -66,11 +76,16 @@ def write_hf(a) -> str:
             f"{str(dtype).removeprefix('torch.')} in {files}, to {a.out}")
 
 
+def write_adapter(a) -> str:
+    done = export_adapter(a.checkpoint, a.out, model_spec=a.model)
+    return f"wrote the LoRA adapters of {done['modules']} modules, {done['parameters']:,} parameters, to {a.out}"
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         a = parse(argv)
-        print(write_hf(a) if a.hf else write_one_file(a.checkpoint, Path(a.out)))
-    except (UsageError, CheckpointError, ExportError) as e:
+        print(write_hf(a) if a.hf else write_adapter(a) if a.adapter else write_one_file(a.checkpoint, Path(a.out)))
+    except (UsageError, CheckpointError, ExportError, WeightsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # the partial output is already removed

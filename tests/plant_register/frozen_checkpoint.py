@@ -41,4 +41,14 @@ PLANTS: list[Plant] = [
           "            value += 0 * scaling * (",
           "consolidate --hf of a LoRA run writes the base weights alone: the fine-tune is lost",
           "issue 32", (SOURCE,)),
+    Plant("adapter_keys_without_peft_prefix", "zerofunc/peft_export.py",
+          'tensors[f"base_model.model.{hf_module}.{which}.weight"]',
+          'tensors[f"{hf_module}.{which}.weight"]',
+          "the PEFT adapter's tensors are named as the model's modules, not PEFT's base_model.model.*: "
+          "PeftModel.from_pretrained loads none of them and keeps its fresh adapters",
+          "issue 32", (SOURCE,)),
+    Plant("adapter_alpha_is_r", "zerofunc/peft_export.py",
+          '"lora_alpha": lora["alpha"]', '"lora_alpha": lora["r"]',
+          "the adapter config says alpha = r: PEFT scales the adapters by 1, not alpha / r",
+          "issue 32", (SOURCE,)),
 ]
