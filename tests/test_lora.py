@@ -11,7 +11,7 @@ import torch
 
 import zerofunc
 from tests.bare import in_world
-from tests.steps import check_steps, recorded_steps
+from tests.steps import check_steps, ignore_some, record_step, recorded_steps
 from tests.test_api import OPTIM, TokenMLP, batches
 from zerofunc.layout import ALIGN
 from zerofunc.lora import LoRA, WithAdapters, adapter_value, apply_lora, targets
@@ -190,3 +190,50 @@ def test_the_planner_plans_lora_and_says_how_to_train_it(capsys):
         assert plan_main(argv + flags) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and message in err and "\n" not in err, err
+
+
+def _peft_model_trains(family: str, stage: int, checkpointing: bool):
+    import peft
+
+    from tests.test_hf import hf_model
+
+    torch.manual_seed(0)
+    targets = ["c_attn", "c_fc"] if family == "gpt2" else ["q_proj", "v_proj", "down_proj"]
+    model = peft.get_peft_model(hf_model(family), peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    reference = copy.deepcopy(model)
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2, "gradient_clipping": 0.05,
+              "zero_optimization": {"stage": stage}, "optimizer": OPTIM}
+    if checkpointing:
+        config["activation_checkpointing"] = {"mode": "full"}
+    engine = zerofunc.initialize(model, config)
+    rank, world = engine.comm.rank, engine.comm.world_size
+    gen = torch.Generator().manual_seed(1)
+    steps = []
+    for _ in range(2):
+        ids = torch.randint(0, 53, (2 * world, 11), generator=gen)
+        labels = ignore_some(ids, gen)
+        everyone = [{"input_ids": ids[j:j + 1], "labels": labels[j:j + 1]} for j in range(2 * world)]
+        steps.append(record_step(engine, everyone[rank::world], everyone))
+    check_steps(reference, steps, f"PEFT {family}, stage {stage}")
+    after = engine.full_parameters()
+    moved = {n for n in after if n not in base and not torch.equal(after[n], steps[0].params[n])}
+    return all(torch.equal(after[n], t) for n, t in base.items()), len(moved), len(after) - len(base)
+
+
+def peft_models():
+    return {(family, stage): _peft_model_trains(family, stage, stage == 3)
+            for family in ("gpt2", "llama") for stage in (1, 3)}
+
+
+@pytest.mark.slow
+def test_a_peft_model_trains_through_initialize_like_peft_on_one_device():
+    """Hugging Face's GPT-2 (Conv1D, fan_in_fan_out) and Llama wrapped by PEFT's get_peft_model, through
+    zerofunc.initialize on 2 gloo ranks, stage 1 and stage 3 with full activation checkpointing, clipped, 2
+    micro-steps: each step within tests/steps.py's budgets of one device running PEFT's model with exact AdamW
+    (the adapters' gradients, update and moments), PEFT's base to the last bit, and every adapter moved."""
+    pytest.importorskip("peft")
+    for per_rank in in_world(2, peft_models):
+        for (family, stage), (kept, moved, trained) in per_rank.items():
+            assert kept, f"{family}, stage {stage}: a base weight changed"
+            assert trained > 0 and moved == trained, (family, stage, moved, trained)

@@ -14,7 +14,7 @@ PLANTS: list[Plant] = [
           "    layout = FlatLayout.build([(n, p.shape) for n, p in named], world_size)\n",
           "requires_grad=False is ignored, as before issue 32: a frozen base is trained, decayed and given AdamW "
           "state, so every partial fine-tune is silently wrong",
-          "issue 32", (TRAIN,)),
+          "issue 32", (TRAIN, "tests/test_lora.py::test_a_peft_model_trains_through_initialize_like_peft_on_one_device")),
     Plant("frozen_weights_masked_not_split", UNITS,
           "        return self.layout.views(self.full)\n",
           "        return self.layout.views(self.full.detach().requires_grad_())\n",
