@@ -75,6 +75,20 @@ def test_compiled_stage_3_is_planned_to_the_byte_and_within_2_percent():
 
 
 @pytest.mark.slow
+def test_lora_is_planned_to_the_byte_and_within_2_percent_step_after_step():
+    """--lora 4 at stages 1 and 3: the frozen weights gathered without their reduce-scatter. Each measured step
+    (two) must send the plan's collectives: a unit whose weights are all frozen (gpt2-tiny's root under LoRA)
+    gets no gradient, and must still be released after backward, or the next step finds it gathered and
+    skips its gather (and holds it between steps)."""
+    code, out, err = run_check("--model", "gpt2-tiny", "--stage", "1", "--stage", "3", "--world-sizes", "1,3",
+                               "--lora", "4", "--json")
+    assert code == 0, err
+    cells = json.loads(out)["cells"]
+    assert [(c["stage"], c["world_size"]) for c in cells] == [(1, 1), (1, 3), (3, 1), (3, 3)]
+    assert_plan_holds(cells, 0.02)
+
+
+@pytest.mark.slow
 def test_hybrid_worlds_of_8_and_64_with_groups_of_8_are_planned_to_the_byte_and_within_2_percent():
     """--shard-group 8: at 8 ranks the group is the world (no replicas); at 64, 8 replicas of 8, whose
     gradient shards are all-reduced across the groups: the executed ledger (each entry with its group)
@@ -231,6 +245,7 @@ def test_help_runs_from_a_checkout_anywhere(tmp_path):
     (["--shard-group", "0"], "--shard-group must be at least 1"),
     (["--shard-group", "3"], "a shard group of 3 ranks does not divide the world of 1"),
     (["--json-out", "/nonexistent/dir/x.json"], "its directory does not exist"),
+    (["--lora", "4", "--lora-targets", "q_proj"], "selects no Linear or Conv1D layer"),
     pytest.param(["--device", "cuda"], "no CUDA device is available",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
     pytest.param(["--calibrate"], "--calibrate measures a CUDA GPU",

@@ -29,7 +29,7 @@ from zerofunc import pretrained, whole_step
 from zerofunc.checkpoint_files import CheckpointError, verify
 from zerofunc.pretrained import WeightsError
 from zerofunc.models import build_model, model_config
-from zerofunc.lora import LoRA, apply_lora
+from zerofunc.lora import LoRA, apply_lora, lora_from_flags
 from zerofunc.units import partition
 from sim.hardware import use_profiles
 from zerofunc.usage import UsageError
@@ -142,13 +142,11 @@ def parse(argv: list[str] | None) -> TrainArgs:
 
 def _lora(a: argparse.Namespace, compile) -> Optional[LoRA]:
     """--lora's adapters (their targets are matched on the model by the caller); None without --lora."""
-    if a.lora is None:
-        return None
     try:
-        lora = LoRA(a.lora, a.lora_alpha, a.lora_targets, a.lora_dropout)
+        lora = lora_from_flags(a)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if compile == "whole":
+    if lora is not None and compile == "whole":
         raise UsageError("--compile whole does not support --lora yet: use --compile blocks")
     return lora
 

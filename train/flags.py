@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 
+from zerofunc.lora import add_lora_flags
 from zerofunc.models import MODELS
 from zerofunc.overlap import Overlap
 from zerofunc.recompute import MODES
@@ -59,13 +60,7 @@ def parser() -> ArgumentParser:
                         "collectives (whole: stages 0-3 without offload, hpZ, hybrid sharding, fp16 or AC)")
     p.add_argument("--no-compile", dest="compile", action="store_const", const=False,
                    help="run eagerly (the default on CPU)")
-    p.add_argument("--lora", type=int, default=None, metavar="R",
-                   help="LoRA of rank R: the model frozen, adapters trained on its Linear layers (PEFT's semantics)")
-    p.add_argument("--lora-alpha", type=float, default=8.0, metavar="A", help="LoRA's scale is A / R (default 8)")
-    p.add_argument("--lora-targets", default="all-linear", metavar="T",
-                   help="all-linear (every Linear but the head; default), layer names (q_proj,v_proj) or a regex of "
-                        "whole module names")
-    p.add_argument("--lora-dropout", type=float, default=0.0, metavar="P", help="dropout on the adapters' input")
+    add_lora_flags(p, "train")
     p.add_argument("--prefetch-depth", type=int, default=None,
                    help=f"stage 3: blocks gathered ahead of the one computing (default {Overlap.prefetch_depth})")
     p.add_argument("--bucket-mb", type=float, default=None,

@@ -230,19 +230,22 @@ class ZeroEngine(BlockHooks, WholeState):
                 if unit is not None and self._regather_before_backward:
                     self.gathering.regather(unit)
                 grads = tape.grad(segment, [u.weights for u in (unit, root) if u is not None])
-                if unit is not None and grads[0] is not None:
-                    self._unit_gradient(unit, grads[0], boundary)
+                if unit is not None:
+                    self._unit_done(unit, grads[0], boundary)
                 if root is not None and grads[-1] is not None:
                     root_grad = grads[-1] if root_grad is None else root_grad.add_(grads[-1])
-            if root_grad is not None:
-                self._unit_gradient(root, root_grad, boundary)
+            if root is not None:
+                self._unit_done(root, root_grad, boundary)
         self.reduction.drain()
         self.gathering.release_blocks()
 
-    def _unit_gradient(self, unit: Unit, grad: torch.Tensor, boundary: bool) -> None:
-        """The unit's gradient of this micro-step exists: reduce it as the stage says (zerofunc/reduction.py)."""
-        self.reduction.add(unit, grad, boundary)
-        self.gathering.release(unit)  # stage 3: backward is done with this unit's weights
+    def _unit_done(self, unit: Unit, grad: Optional[torch.Tensor], boundary: bool) -> None:
+        """Backward is done with the unit: reduce its gradient of this micro-step as the stage says
+        (zerofunc/reduction.py), and release its weights (stage 3). A unit whose weights are all frozen has no
+        gradient, and is released all the same."""
+        if grad is not None:
+            self.reduction.add(unit, grad, boundary)
+        self.gathering.release(unit)
 
     @property
     def data_parallel_size(self) -> int:

@@ -149,3 +149,23 @@ class WithAdapters:
             self.base.read_into(name, shape, lo, hi, out, memory)
         else:
             out.copy_(value.reshape(-1)[lo:hi])
+
+
+def add_lora_flags(p, what: str, dropout: bool = True) -> None:
+    """--lora R, --lora-alpha, --lora-targets (and --lora-dropout) on a command line: the trainer's, the
+    planner's and the check's, which `lora_from_flags` turns into a LoRA."""
+    p.add_argument("--lora", type=int, default=None, metavar="R", help=f"{what} LoRA of rank R: the model frozen, "
+                   "adapters trained on its Linear layers (PEFT's semantics)")
+    p.add_argument("--lora-alpha", type=float, default=8.0, metavar="A", help="LoRA's scale is A / R (default 8)")
+    p.add_argument("--lora-targets", default=ALL_LINEAR, metavar="T",
+                   help="all-linear (every Linear but the head; default), layer names (q_proj,v_proj) or a regex of "
+                        "whole module names")
+    if dropout:
+        p.add_argument("--lora-dropout", type=float, default=0.0, metavar="P", help="dropout on the adapters' input")
+
+
+def lora_from_flags(a) -> Optional[LoRA]:
+    """The LoRA `add_lora_flags`' flags give, None without --lora; ValueError for a bad one."""
+    if a.lora is None:
+        return None
+    return LoRA(a.lora, a.lora_alpha, a.lora_targets, getattr(a, "lora_dropout", 0.0))

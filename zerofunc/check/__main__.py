@@ -18,6 +18,7 @@ import torch
 
 from sim.hardware import get_profile, profile_for_device, record_measured, use_profiles
 from zerofunc.check.env import as_text, environment
+from zerofunc.lora import add_lora_flags, lora_from_flags
 from zerofunc.models import MODELS
 from zerofunc.plan import Plan
 from zerofunc.usage import PROFILES_HELP
@@ -46,6 +47,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="torch.compile each block's compute")
     p.add_argument("--steps", type=int, default=2, help="measured steps per cell")
     p.add_argument("--tolerance", type=float, default=0.05, help="largest relative peak difference that passes")
+    add_lora_flags(p, "check", dropout=False)
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--json-out", metavar="FILE", default=None, help="also write the JSON to FILE")
     p.add_argument("--calibrate", action="store_true",
@@ -82,8 +84,9 @@ def _setup(a: argparse.Namespace) -> tuple[torch.device, list[Plan]]:
     if a.shard_group is not None and a.shard_group < 1:
         raise ValueError(f"--shard-group must be at least 1, got {a.shard_group}")
     plans = [Plan(world_size=ws, stage=s, model=a.model, precision=precision, micro_batch=a.micro_batch, seq=a.seq,
-                  hardware=hardware, shard_group=a.shard_group, reduce_dtype=a.reduce_dtype)
+                  hardware=hardware, shard_group=a.shard_group, reduce_dtype=a.reduce_dtype, lora=lora_from_flags(a))
              for s in stages for ws in _world_sizes(a.world_sizes)]
+    plans[0].build()  # --lora's targets match a layer: refused here, in one line
     return device, plans
 
 

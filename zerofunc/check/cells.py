@@ -23,7 +23,7 @@ import torch
 from sim.memory import MemoryTracker
 from zerofunc.api import initialize
 from zerofunc.check.world import simulated_world, twin_groups
-from zerofunc.models import build_model
+from zerofunc.lora import WithAdapters
 from zerofunc.plan import Plan, simulate
 from zerofunc.step import train_step
 
@@ -94,11 +94,13 @@ def run_cell(plan: Plan, device: torch.device, compile: bool = False, steps: int
 
 def _measure(plan: Plan, sim, comm, replicas, device: torch.device, compile: bool, steps: int) -> Cell:
     cuda = device.type == "cuda"
-    with torch.device("meta"):
-        model = build_model(plan.config)
+    model = plan.build()  # the plan's model on meta, with --lora its adapters
+    init = lambda name, shape: model.init_param(name, shape, 0)  # noqa: E731
+    if plan.lora is not None:
+        init = WithAdapters(init, 0)
     tracker = MemoryTracker(workspaces=plan.profile.matmul_workspace)  # the device's, as the plan counts them
     engine = initialize(model, plan.zero_config(), device=device, comm=comm, replicas=replicas, memory=tracker,
-                        compile=compile, init=lambda name, shape: model.init_param(name, shape, 0))
+                        compile=compile, init=init)
     batch = [sample_batch(plan, device)]
     peaks, times, losses, equal, executed, requested = [], [], [], True, 0, 0
     if cuda:

@@ -17,7 +17,7 @@ import sys
 from dataclasses import replace
 
 from sim.hardware import profiles, use_profiles
-from zerofunc.lora import LoRA
+from zerofunc.lora import add_lora_flags, lora_from_flags
 from zerofunc.config import MAX_BUCKET_MB, MAX_MICRO_BATCH_TOKENS, MAX_PREFETCH_DEPTH
 from zerofunc.models import MODELS
 from zerofunc.overlap import Overlap
@@ -88,11 +88,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="stage 3: blocks gathered ahead of the one computing")
     p.add_argument("--bucket-mb", type=float, default=Overlap.bucket_bytes / 2**20,
                    help="MiB of gradient reductions in flight before waiting (0: none)")
-    p.add_argument("--lora", type=int, default=None, metavar="R",
-                   help="plan LoRA of rank R: the model frozen, adapters trained (python -m train --lora)")
-    p.add_argument("--lora-alpha", type=float, default=8.0, metavar="A", help="LoRA's scale is A / R (default 8)")
-    p.add_argument("--lora-targets", default="all-linear", metavar="T",
-                   help="all-linear (default), layer names (q_proj,v_proj) or a regex of whole module names")
+    add_lora_flags(p, "plan", dropout=False)
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="draw each stage's memory timeline")
     a = p.parse_args(argv)
@@ -134,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                     bucket_bytes=int(a.bucket_mb * 2**20),
                     activation_checkpointing=a.activation_checkpointing or "none", ac_every=a.ac_every,
                     offload_optimizer=a.offload_optimizer == "cpu", reduce_dtype=a.reduce_dtype,
-                    lora=LoRA(a.lora, a.lora_alpha, a.lora_targets) if a.lora is not None else None)
+                    lora=lora_from_flags(a))
         if base.lora is not None:
             base.build()  # the targets match something: refused here, in one line, not in every simulation
         if a.params is None and base.micro_batch * base.tokens > MAX_MICRO_BATCH_TOKENS:
