@@ -248,7 +248,7 @@ def api_checkpoint_world(run_dir: str) -> dict:
 
     # The trainer's stop at a non-finite step 9 saves the weights of step 8, which must not count step 9
     # as skipped: the resume runs it again.
-    _stop_nonfinite(saved, types.SimpleNamespace(out=run_dir, model="gpt2-tiny", seed=0), 9, float("nan"), None,
+    _stop_nonfinite(saved, types.SimpleNamespace(out=run_dir, model="gpt2-tiny", seed=0, lora=None, init_from=None), 9, float("nan"), None,
                     replace(saved.state, nonfinite=3))  # 2 before, and step 9's
     out["stop_saved_nonfinite"] = json.loads((step_dir(run_dir, 8) / "manifest.json").read_text()).get(
         "nonfinite_steps")
