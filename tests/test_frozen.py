@@ -68,7 +68,8 @@ def _train_with(what: str) -> tuple[bool, float]:
     check_steps(reference, steps, what)
     after = engine.full_parameters()
     return all(torch.equal(after[n], t) for n, t in frozen.items()), min(
-        max(g.abs().max().item() for g in s.grads.values()) for s in steps)
+        max(g.abs().max().item() for g in s.grads.values()) for s in steps), \
+        {e.group for e in engine.comm.ledger if e.tag == "params.bwd"}
 
 
 def every_lever():
@@ -79,11 +80,14 @@ def every_lever():
 def test_frozen_parameters_with_every_lever():
     """4 gloo ranks, the levers of LEVERS, 2 steps of 2 micro-steps each, clipped: as the test above. Full
     activation checkpointing recomputes block 1, whose input needs no gradient (nothing before it trains):
-    its Linear's weight must still get its gradient."""
+    its Linear's weight must still get its gradient. Under hpZ, backward gathers frozen weights from the
+    node's copies as it does trainable ones: every backward gather on the secondary group."""
     for per_lever in in_world(4, every_lever):
-        for what, (kept, largest_grad) in per_lever.items():
+        for what, (kept, largest_grad, backward_groups) in per_lever.items():
             assert kept, f"{what}: a frozen parameter changed"
             assert largest_grad > 0, f"{what}: no gradient reached the trainable parameters"
+            if "hpZ" in what:
+                assert backward_groups == {"secondary"}, f"{what}: backward gathered on {backward_groups}"
 
 
 KINDS = {0: "regression", 1: "tokens", 2: "regression", 3: "tokens"}  # each stage once, each module twice

@@ -76,23 +76,35 @@ class UnitGathering:
                 else:  # forward reads the shards the optimizer updates
                     handles.append(gather_weights(self.comm, full, mine, tag, async_op=prefetch))
             unit.gathering, unit.gathered = (AllHandles(handles) if prefetch else None), True
-            if not (prefetch and tag == "params.bwd"):  # hpZ's copy, read until the prefetch is waited for
-                unit.secondary = None
+            if not (prefetch and tag == "params.bwd"):  # hpZ's copies, read until the prefetch is waited for
+                self._drop_node_copies(unit)
         if not prefetch and unit.gathering is not None:
             self._finish(unit)
 
     @staticmethod
-    def _buffers(unit: Unit):
-        """(gather buffer, shard, hpZ's copy) of the unit's trainable parameters, then of its frozen ones (whose
-        backward gather, under hpZ, reads the whole shard group: only trainable weights keep a node copy)."""
-        yield unit.full, unit.params, unit.secondary
+    def _parts(unit: Unit):
+        """The unit's trainable part (the unit itself), then its frozen one: each a gather buffer `full`, a shard
+        `params` and hpZ's copy `secondary`, gathered, released and copied alike."""
+        yield unit
         if unit.frozen is not None:
-            yield unit.frozen.full, unit.frozen.params, None
+            yield unit.frozen
+
+    @classmethod
+    def _buffers(cls, unit: Unit):
+        """(gather buffer, shard, hpZ's copy) of each part of the unit."""
+        for part in cls._parts(unit):
+            yield part.full, part.params, part.secondary
+
+    @classmethod
+    def _drop_node_copies(cls, unit: Unit) -> None:
+        for part in cls._parts(unit):
+            part.secondary = None
 
     def _finish(self, unit: Unit) -> None:
         """Wait for the unit's gather; what it read from (hpZ's copy) may then go."""
         unit.gathering.wait()
-        unit.gathering, unit.secondary = None, None
+        unit.gathering = None
+        self._drop_node_copies(unit)
 
     def prefetch(self, unit: Unit, direction: int, tag: str) -> None:
         """Start gathering the `prefetch_depth` blocks that run after `unit` (direction +1 in forward,
@@ -112,7 +124,8 @@ class UnitGathering:
                 self._finish(unit)
             if after_forward and self.secondary is not None and torch.is_grad_enabled():
                 with self.memory.category("params"):
-                    unit.secondary = shard(unit.full, self.secondary.rank, self.secondary.world_size).clone()
+                    for part in self._parts(unit):
+                        part.secondary = shard(part.full, self.secondary.rank, self.secondary.world_size).clone()
             for full, _, _ in self._buffers(unit):
                 full.untyped_storage().resize_(0)
                 self.memory.resized(full)
@@ -124,7 +137,7 @@ class UnitGathering:
         for unit in self.blocks:
             self.release(unit)
         for unit in self.units:
-            unit.secondary = None
+            self._drop_node_copies(unit)
 
     def regather(self, unit: Unit) -> None:
         """Backward needs the unit's weights again (to recompute its forward, or for its own backward):

@@ -46,6 +46,7 @@ class FrozenPart:
     layout: FlatLayout
     params: torch.Tensor
     full: torch.Tensor
+    secondary: Optional[torch.Tensor] = None  # hpZ: this rank's 1/k of them, kept from forward to backward
 
     def views(self) -> dict[str, torch.Tensor]:
         return self.layout.views(self.full)

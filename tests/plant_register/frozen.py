@@ -22,8 +22,14 @@ PLANTS: list[Plant] = [
           "frozen weight's gradient and throws it away: the same numbers, none of LoRA's compute saved",
           "issue 32", ("tests/test_frozen.py::test_autograd_computes_no_gradient_of_a_frozen_weight",)),
     Plant("frozen_part_not_gathered", "zerofunc/gather.py",
-          "        if unit.frozen is not None:\n            yield unit.frozen.full, unit.frozen.params, None\n",
-          "",
+          "        yield unit\n        if unit.frozen is not None:\n            yield unit.frozen\n",
+          "        yield unit\n",
           "stage 3 gathers a unit's trainable shard but not its frozen one: the forward reads a released buffer",
           "issue 32", (TRAIN,)),
+    Plant("frozen_part_without_node_copy", "zerofunc/gather.py",
+          "                    for part in self._parts(unit):\n                        part.secondary = shard(",
+          "                    for part in [unit]:\n                        part.secondary = shard(",
+          "under hpZ a unit's frozen weights keep no node copy: backward gathers them across the whole shard "
+          "group (across nodes), not inside the node, as it did before",
+          "issue 32", ("tests/test_frozen.py::test_frozen_parameters_with_every_lever",)),
 ]
