@@ -23,7 +23,8 @@ from tests.bare import in_world
 from zerofunc import hf_export
 from zerofunc.checkpoint_files import consolidated
 from zerofunc.consolidate import main as consolidate
-from zerofunc.hf_export import ExportError, parse_size
+from zerofunc.consolidate import parse_size
+from zerofunc.export_dir import ExportError
 from zerofunc.models import MODELS, build_model, hf_config_dict, model_config
 
 QWEN2 = replace(MODELS["llama-tiny"], qkv_bias=True, tie_word_embeddings=True, model_type="qwen2")

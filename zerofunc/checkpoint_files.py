@@ -163,6 +163,7 @@ def consolidated(path: str | Path) -> dict[str, torch.Tensor]:
     source = manifest.get("frozen_source")
     if source is not None:  # every file, before any tensor is read
         frozen_source.check_share(source, 0, 1)
+    reader = frozen_source.SourceReader(source, checked=True) if source is not None else None
     out = {}
     try:
         handles = {f: safe_open(str(ckpt / f), framework="pt") for f in manifest["files"]}
@@ -175,8 +176,7 @@ def consolidated(path: str | Path) -> dict[str, torch.Tensor]:
             if "frozen" not in unit:
                 continue
             layout = FlatLayout.build(unit["frozen"]["params"], manifest["world_size"])
-            if source is not None:
-                reader = frozen_source.SourceReader(source, checked=True)
+            if reader is not None:
                 for s in layout.slots:
                     out[s.name] = torch.empty(s.numel)
                     reader.read_into(s.name, s.shape, 0, s.numel, out[s.name], NoMemoryTracking())

@@ -16,18 +16,51 @@ loads (zerofunc/peft_export.py). Bad input is one line `error: ...` and exit 2, 
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
+import torch
 from safetensors.torch import save_file
 
 from zerofunc.checkpoint_files import CheckpointError, consolidated
-from zerofunc.hf_export import ExportError, export, parse_dtype, parse_size
+from zerofunc.export_dir import ExportError
+from zerofunc.hf_export import export
 from zerofunc.hf_files import WeightsError
 from zerofunc.peft_export import export_adapter
 from zerofunc.usage import ArgumentParser, UsageError
 
 HF_ONLY = ("dtype", "max_shard_size", "tokenizer")
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}
+# Hugging Face's size forms (transformers.utils.hub.convert_file_size_to_int), and fractions ("1.5GiB"):
+# KiB/MiB/GiB are powers of 2, KB/MB/GB of 10, and a decimal unit ending in a lower-case "b" is bits, as there.
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]i?[Bb])?\s*", re.IGNORECASE)
+_UNITS = {"K": 1, "M": 2, "G": 3, "T": 4}
+
+
+def parse_dtype(text: str) -> torch.dtype:
+    try:
+        return DTYPES[text.lower()]
+    except KeyError:
+        raise ExportError(f"--dtype {text!r} is not one of fp32, bf16, fp16") from None
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "5GB", "500MB", "1.5GiB", "200KiB" or a plain number of bytes."""
+    m = _SIZE.fullmatch(text)
+    if m is None:
+        raise ExportError(f"--max-shard-size {text!r} is not a size like 5GB, 500MB, 1.5GiB or 1000000")
+    number, unit = float(m.group(1)), m.group(2)
+    if unit is None:
+        size = number
+    elif unit[1:2].lower() == "i":
+        size = number * 2 ** (10 * _UNITS[unit[0].upper()])
+    else:
+        size = number * 10 ** (3 * _UNITS[unit[0].upper()]) / (8 if unit.endswith("b") else 1)
+    if size < 1:
+        raise ExportError(f"--max-shard-size {text!r} is less than one byte")
+    return int(size)
 
 
 def parse(argv: list[str] | None):

@@ -16,7 +16,7 @@ byte is read, so the file names (`-of-0000N`) are known from the start.
 
 Names, GPT-2's transposed Conv1D weights and the tied head that is left out are
 zerofunc/hf_names.py's, the same map the loader reads with. Nothing appears under OUT_DIR
-until everything is written: the directory is built beside it and renamed into place.
+until everything is written: the directory is built beside it and renamed into place (zerofunc/export_dir.py).
 """
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ import contextlib
 import json
 import math
 import os
-import re
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -35,50 +34,17 @@ import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from sim.memory import NoMemoryTracking
 from zerofunc.checkpoint_files import CheckpointError, check_files, read_manifest, resolve, saved_spans
-from zerofunc.frozen_source import SourceReader, check_share
+from zerofunc.export_dir import ExportError, check_target, staged
+from zerofunc.frozen_source import check_share
 from zerofunc.hf_names import architecture, hf_names
 from zerofunc.layout import FlatLayout
 from zerofunc.lora import is_adapter
 from zerofunc.models import MODELS, build_model, hf_config_dict, model_config
+from zerofunc.pretrained import CheckpointWeights
 
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-          "fp16": torch.float16, "float16": torch.float16}
 CHUNK = 1 << 24  # elements read per slice: 64 MiB of fp32 in flight beside the output tensor
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
-# Hugging Face's size forms (transformers.utils.hub.convert_file_size_to_int), and fractions ("1.5GiB"):
-# KiB/MiB/GiB are powers of 2, KB/MB/GB of 10, and a decimal unit ending in a lower-case "b" is bits, as there.
-_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]i?[Bb])?\s*", re.IGNORECASE)
-_UNITS = {"K": 1, "M": 2, "G": 3, "T": 4}
-
-
-class ExportError(ValueError):
-    """Bad input to an export, in one line: the command line prints it and exits 2."""
-
-
-def parse_dtype(text: str) -> torch.dtype:
-    try:
-        return DTYPES[text.lower()]
-    except KeyError:
-        raise ExportError(f"--dtype {text!r} is not one of fp32, bf16, fp16") from None
-
-
-def parse_size(text: str) -> int:
-    """Bytes from "5GB", "500MB", "1.5GiB", "200KiB" or a plain number of bytes."""
-    m = _SIZE.fullmatch(text)
-    if m is None:
-        raise ExportError(f"--max-shard-size {text!r} is not a size like 5GB, 500MB, 1.5GiB or 1000000")
-    number, unit = float(m.group(1)), m.group(2)
-    if unit is None:
-        size = number
-    elif unit[1:2].lower() == "i":
-        size = number * 2 ** (10 * _UNITS[unit[0].upper()])
-    else:
-        size = number * 10 ** (3 * _UNITS[unit[0].upper()]) / (8 if unit.endswith("b") else 1)
-    if size < 1:
-        raise ExportError(f"--max-shard-size {text!r} is less than one byte")
-    return int(size)
 
 
 @dataclass(frozen=True)
@@ -188,14 +154,14 @@ def shard_file_names(n: int) -> list[str]:
 
 
 def read_tensor(handles: dict, manifest: dict, t: OutTensor, dtype: torch.dtype,
-                source: Optional[SourceReader] = None) -> torch.Tensor:
-    """Parameter `t`, whole, in `dtype` and stored layout, from the rank files it spans (a master's, chunk by chunk;
-    a frozen one's from the files or from `source`, the files the checkpoint records), its adapters merged."""
+                whole: Optional[CheckpointWeights] = None) -> torch.Tensor:
+    """Parameter `t`, whole, in `dtype` and stored layout, from the rank files it spans: a master's chunk by chunk,
+    a frozen one's or one with adapters to merge whole, in fp32, through `whole` (zerofunc/pretrained.py)."""
     if t.part == "frozen" or t.merge is not None:
-        value = _read_ours(handles, manifest, t, source)
+        value = whole(t.name, t.shape)
         if t.merge is not None:
             a, b, scaling = t.merge
-            value += scaling * (_read_ours(handles, manifest, b, source) @ _read_ours(handles, manifest, a, source))
+            value += scaling * (whole(b.name, b.shape) @ whole(a.name, a.shape))
         value = value.to(dtype)
         return value.t().contiguous() if t.transposed else value
     out = torch.empty(t.stored_shape, dtype=dtype)
@@ -207,20 +173,6 @@ def read_tensor(handles: dict, manifest: dict, t: OutTensor, dtype: torch.dtype,
             b = min(a + CHUNK, hi, stop)
             _copy_flat_range(rows, a - start, master[a - lo:b - lo])
     return out
-
-
-def _read_ours(handles: dict, manifest: dict, t: OutTensor, source: Optional[SourceReader]) -> torch.Tensor:
-    """Parameter `t` whole, in fp32 and our layout."""
-    out = torch.empty(t.numel, dtype=torch.float32)
-    if t.part == "frozen" and source is not None:
-        source.read_into(t.name, t.shape, 0, t.numel, out, NoMemoryTracking())
-        return out.view(t.shape)
-    start, stop = t.offset, t.offset + t.numel
-    for f, lo, hi in saved_spans(manifest, t.unit, frozen=t.part == "frozen"):
-        if max(lo, start) < min(hi, stop):
-            a, b = max(lo, start), min(hi, stop)
-            out[a - start:b - start].copy_(handles[f].get_slice(f"{t.unit}.{t.part}")[a - lo:b - lo])
-    return out.view(t.shape)
 
 
 def _copy_flat_range(rows: torch.Tensor, at: int, values: torch.Tensor) -> None:
@@ -290,30 +242,12 @@ def export(checkpoint: str, out_dir: str, *, dtype: torch.dtype = torch.float32,
     config = export_config(spec, model, dtype)
     copies = tokenizer_files(tokenizer) if tokenizer else []
     out = Path(out_dir)
-    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
-        raise ExportError(f"{out} exists and is not an empty directory")
-    # Beside OUT_DIR, so that the rename stays on one filesystem; made before the checksums are computed (minutes
-    # for a 70B checkpoint), so that an OUT_DIR that cannot be written fails at once. The name is this process's:
-    # one left by a killed export of the same pid is stale.
-    tmp = out.parent / f".{out.name}.{os.getpid()}.partial"
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    except OSError as e:
-        raise ExportError(f"cannot write {out}: {e.strerror}") from None
-    try:
+    check_target(out)
+    with staged(out) as tmp:
         check_files(ckpt, manifest)  # every file, whole, before any tensor is read
         if manifest.get("frozen_source") is not None:  # and the files the frozen weights are kept in
             check_share(manifest["frozen_source"], 0, 1)
         _write(ckpt, manifest, tmp, config, shards, dtype, copies)
-        os.replace(tmp, out)  # an empty OUT_DIR is replaced; never a half-written one under the real name
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise ExportError(f"cannot write {out}: {e.strerror or e}") from None
-    except BaseException:  # a changed or corrupt checkpoint, an interrupt: nothing is left behind
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {"tensors": len(tensors), "parameters": sum(t.numel for t in tensors), "files": len(shards),
             "bytes": sum(t.numel for t in tensors) * dtype.itemsize}
 
@@ -323,7 +257,7 @@ def _write(ckpt: Path, manifest: dict, tmp: Path, config: dict, shards: list[lis
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     files = shard_file_names(len(shards))
     file_mode = (tmp / "config.json").stat().st_mode & 0o777  # 0666 under the user's umask
-    source = SourceReader(manifest["frozen_source"], checked=True) if manifest.get("frozen_source") else None
+    whole = CheckpointWeights(ckpt, checked=True)  # frozen and merged parameters; the files are checked already
     with contextlib.ExitStack() as stack:
         try:
             handles = {f: stack.enter_context(safe_open(str(ckpt / f), framework="pt")) for f in manifest["files"]}
@@ -331,7 +265,7 @@ def _write(ckpt: Path, manifest: dict, tmp: Path, config: dict, shards: list[lis
             raise CheckpointError(f"checkpoint {ckpt} is corrupt: {type(e).__name__}: {e}") from None
         for name, shard in zip(files, shards):
             try:
-                tensors = {t.key: read_tensor(handles, manifest, t, dtype, source) for t in shard}
+                tensors = {t.key: read_tensor(handles, manifest, t, dtype, whole) for t in shard}
             except Exception as e:  # a truncated file of a checkpoint from before checksums
                 raise CheckpointError(f"checkpoint {ckpt} is corrupt: {type(e).__name__}: {e}") from None
             try:

@@ -9,20 +9,20 @@ module's path in the Hugging Face model (zerofunc/hf_names.py's map, the one `--
 Conv1D layers are adapted with `fan_in_fan_out`, as PEFT adapts them; its A and B are shaped as any
 Linear's. Only a run that recorded its LoRA (`python -m train --lora`) has one to export; the adapters are
 read from the checkpoint's fp32 masters, whichever world size and stage saved them, each file checked
-against its SHA-256 first. Nothing appears under OUT_DIR until both files are written.
+against its SHA-256 first. Nothing appears under OUT_DIR until both files are written
+(zerofunc/export_dir.py).
 """
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Optional
 
 from safetensors.torch import save_file
 
 from zerofunc.checkpoint_files import read_manifest, resolve
-from zerofunc.hf_export import ExportError, build_meta_model
+from zerofunc.export_dir import ExportError, check_target, staged
+from zerofunc.hf_export import build_meta_model
 from zerofunc.hf_names import hf_names
 from zerofunc.lora import is_adapter
 from zerofunc.pretrained import CheckpointWeights
@@ -54,13 +54,8 @@ def export_adapter(checkpoint: str, out_dir: str, model_spec: Optional[str] = No
         "base_model_name_or_path": extra.get("init_from") or _model_dir(spec),
     }
     out = Path(out_dir)
-    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
-        raise ExportError(f"{out} exists and is not an empty directory")
-    tmp = out.parent / f".{out.name}.{os.getpid()}.partial"
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+    check_target(out)
+    with staged(out) as tmp:
         tensors = {}
         for name in adapters:  # ours: <module>.lora_A.weight; PEFT's: base_model.model.<HF module>.lora_A.weight
             module, which = name.rsplit(".", 2)[0], name.rsplit(".", 2)[1]
@@ -68,13 +63,6 @@ def export_adapter(checkpoint: str, out_dir: str, model_spec: Optional[str] = No
             tensors[f"base_model.model.{hf_module}.{which}.weight"] = source(name, source.shapes[name]).contiguous()
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-        os.replace(tmp, out)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise ExportError(f"cannot write {out}: {e.strerror or e}") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {"modules": len(modules), "parameters": sum(t.numel() for t in tensors.values())}
 
 
