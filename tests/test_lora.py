@@ -76,34 +76,51 @@ def test_an_adapted_layer_adds_its_scaled_low_rank_path():
     assert not torch.allclose(model(x), by_hand)  # dropout on the adapter's input
 
 
-def _lora_trains(stage: int):
+def _lora_trains(stage: int, bf16: bool = False):
     torch.manual_seed(0)
     model = TokenMLP()
     apply_lora(model, LoRA(3, alpha=6, targets="1"))  # the blocks' Linear layers (blocks.K.1)
     reference = copy.deepcopy(model)
+    if bf16:  # PEFT's model in bf16: the base in bf16, the adapters in fp32 (autocast_adapter_dtype)
+        reference.to(torch.bfloat16)
+        for name, p in reference.named_parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
     base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     engine = zerofunc.initialize(model, {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
-                                         "zero_optimization": {"stage": stage}, "optimizer": OPTIM})
+                                         "zero_optimization": {"stage": stage}, "optimizer": OPTIM,
+                                         "bf16": {"enabled": bf16}})
     steps = recorded_steps(engine, lambda rows, gen: batches("tokens", rows, gen), steps=2, seed=3)
-    check_steps(reference, steps, f"LoRA, stage {stage}")
+    check_steps(reference, steps, f"LoRA, stage {stage}{', bf16' if bf16 else ''}")
     after = engine.full_parameters()
     moved = {n for n in after if n not in base and not torch.equal(after[n], steps[0].params[n])}
-    return all(torch.equal(after[n], t) for n, t in base.items()), moved
+    kept = all(torch.equal(after[n], t.to(engine.units[-1].frozen.params.dtype).float()) for n, t in base.items())
+    dtypes = {(u.params.dtype, u.frozen.params.dtype) for u in engine.units if u.numel}, {g.dtype for g in steps[0].grads.values()}
+    return kept, moved, dtypes
 
 
 def lora_at_every_stage():
-    return [_lora_trains(stage) for stage in range(4)]
+    return [_lora_trains(stage) for stage in range(4)] + [_lora_trains(stage, bf16=True) for stage in (0, 3)]
 
 
 @pytest.mark.slow
 def test_lora_trains_like_one_device_at_every_stage():
     """3 gloo ranks, stages 0-3, 2 steps of 2 micro-steps: the adapters' gradients, AdamW and moments within
     tests/steps.py's budgets of one device training the same adapters, the base to the last bit, and both
-    adapters of every target moved (lora_B from zero by the first step, lora_A from the second)."""
+    adapters of every target moved (lora_B from zero by the first step, lora_A from the second).
+
+    And under bf16 at stages 0 and 3, PEFT's mixed precision: one device runs the base in bf16 and the
+    adapters in fp32, so its gradient of each micro-batch is bit for bit the engine's only if the engine
+    keeps the adapters in fp32 too (their weights, gradients, and their reduction: bf16 would round the
+    reduced gradient far outside the fp32 budget)."""
+    bf16, fp32 = torch.bfloat16, torch.float32
     for per_stage in in_world(3, lora_at_every_stage):
-        for stage, (kept, moved) in enumerate(per_stage):
-            assert kept, f"stage {stage}: a base weight changed"
+        for (stage, half), (kept, moved, dtypes) in zip([(s, False) for s in range(4)] + [(0, True), (3, True)],
+                                                        per_stage):
+            assert kept, f"stage {stage}{', bf16' if half else ''}: a base weight changed"
             assert moved == {f"blocks.{i}.1.lora_{ab}.weight" for i in range(2) for ab in "AB"}, (stage, moved)
+            # (trainable, frozen) weights' dtypes of each block (the root unit trains none); the gradients'
+            assert dtypes == (({(fp32, bf16)}, {fp32}) if half else ({(fp32, fp32)}, {fp32})), (stage, half, dtypes)
 
 
 @pytest.mark.slow
@@ -170,7 +187,8 @@ def test_adapters_are_drawn_where_the_base_is_read():
 def test_the_planner_plans_lora_and_says_how_to_train_it(capsys):
     """`python -m zerofunc.plan --lora 4`: the JSON names the adapters and their count (those of apply_lora on
     the same model), the recommended command trains them, the frozen weights hold no optimizer state (the
-    adapters' fp32 master, m and v, 12 bytes a parameter, are all there is); bad LoRA flags are one line."""
+    adapters' m and v, 8 bytes a parameter, are all there is: under bf16 the adapters are fp32 weights, their
+    own master); bad LoRA flags are one line."""
     from zerofunc.plan.__main__ import main as plan_main
 
     argv = ["--model", "gpt2-tiny", "--world-size", "2", "--stage", "3", "--levers", "none", "--micro-batch", "1"]
@@ -184,7 +202,7 @@ def test_the_planner_plans_lora_and_says_how_to_train_it(capsys):
     assert out["params"] == sum(p.numel() for p in model.parameters())
     assert out["recommended_command"][-7:-1] == ["--lora", "4", "--lora-alpha", "8.0", "--lora-targets", "all-linear"]
     units = 1 + model.cfg.n_layer  # each unit's adapters pad to ALIGN x 2 ranks at most
-    assert 12 * trained / 2 <= out["stages"][0]["memory_bytes"]["optimizer"] <= 12 * (trained + units * ALIGN * 2) / 2
+    assert 8 * trained / 2 <= out["stages"][0]["memory_bytes"]["optimizer"] <= 8 * (trained + units * ALIGN * 2) / 2
     for flags, message in ((["--lora", "4", "--lora-targets", "q_proj"], "selects no Linear or Conv1D"),
                            (["--lora", "0"], "the LoRA rank must be at least 1")):
         assert plan_main(argv + flags) == 2

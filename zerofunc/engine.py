@@ -53,6 +53,7 @@ from zerofunc.stages import Stage
 from zerofunc.state import OptimizerState
 from zerofunc.tape import Tape
 from sim.memory import NoMemoryTracking
+from zerofunc.lora import weights_dtype
 from zerofunc.units import PRECISIONS, InitFn, Unit, check_reduce_dtype, materialize, partition
 from zerofunc.whole_step import WholeStep
 
@@ -119,8 +120,10 @@ class ZeroEngine(BlockHooks, WholeState):
         self.offload = OptimizerOffload(self.device, self.memory) if offload_optimizer else None
         self.reduction = GradientReduction(stage, comm, self.replicas, self.offload, self.memory, self.reduce_dtype,
                                            overlap.bucket_bytes)
+        compute = PRECISIONS[precision]
         self.units = [materialize(name, module, named, comm.world_size, comm.rank, stage, self.device, init,
-                                  PRECISIONS[precision], self.memory, self.offload, self.reduce_dtype)
+                                  compute, self.memory, self.offload, self.reduce_dtype,
+                                  weights_dtype([n for n, p in named if p.requires_grad], compute))
                       for name, module, named in partition(model, unit_names)]
         # where the frozen weights were read from, if from files: a checkpoint records those instead of saving the
         # weights (zerofunc/frozen_source.py); None when there are none, or they came from anywhere else

@@ -164,8 +164,10 @@ def _rendezvous(comm_timeout: float) -> dist.TCPStore:
     return store
 
 
-# What a rank's fork server imports once, before any rank starts (see _start_method)
-PRELOAD = ["torch", "torch.distributed", "zerofunc.engine", "zerofunc.step"]
+# What a rank's fork server imports once, before any rank starts (see _start_method). torch._dynamo too:
+# every rank imports it (a model built on the meta device draws its init through torch._refs, which
+# imports it), 2.7 s of CPU a rank here, which was most of a small run's time.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "zerofunc.engine", "zerofunc.step"]
 
 
 def _start_method() -> mp.context.BaseContext:

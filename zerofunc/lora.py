@@ -105,12 +105,26 @@ class _Adapter:
         self.scaling, self.dropout = scaling, dropout
 
     def __call__(self, layer: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-        x = F.dropout(args[0], self.dropout, layer.training) if self.dropout else args[0]
-        return out + layer.lora_B(layer.lora_A(x.to(layer.lora_A.weight.dtype))).to(out.dtype) * self.scaling
+        # as PEFT's Linear.forward: the input cast to the adapters' dtype (fp32 under a 16-bit base), then
+        # dropped out; the sum in the wider dtype, rounded once to the layer's
+        x = args[0].to(layer.lora_A.weight.dtype)
+        if self.dropout:
+            x = F.dropout(x, self.dropout, layer.training)
+        return (out + layer.lora_B(layer.lora_A(x)) * self.scaling).to(out.dtype)
+
+
+_ADAPTER = re.compile(r"(^|.*\.)lora_[AB]\.(\w+\.)?weight")  # ours, and PEFT's (...lora_A.<adapter>.weight)
 
 
 def is_adapter(name: str) -> bool:
-    return name.endswith((".lora_A.weight", ".lora_B.weight"))
+    return _ADAPTER.fullmatch(name) is not None
+
+
+def weights_dtype(names: list[str], compute: torch.dtype) -> torch.dtype:
+    """The dtype a unit keeps its trainable weights (`names`) in: the compute dtype, but fp32 where all of them
+    are LoRA adapters (PEFT's autocast_adapter_dtype: adapters train in fp32 under a 16-bit base, their
+    input cast up and their output down by the layer's hook, `_Adapter`)."""
+    return torch.float32 if names and all(map(is_adapter, names)) else compute
 
 
 def adapter_value(name: str, shape: tuple[int, ...], seed: int) -> Optional[torch.Tensor]:

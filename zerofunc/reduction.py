@@ -40,8 +40,11 @@ class GradientReduction:
         in-flight queue waits for it: later, while autograd works on earlier blocks.
         """
         stage, comm = self.stage, self.comm
-        if grad.dtype != self.reduce_dtype:  # accumulated and reduced in the configured dtype from here on
-            grad = grad.to(self.reduce_dtype)
+        # accumulated and reduced in the configured dtype from here on, never below the weights' own (fp32
+        # adapters under a 16-bit base reduce in fp32)
+        dtype = torch.promote_types(grad.dtype, self.reduce_dtype)
+        if grad.dtype != dtype:
+            grad = grad.to(dtype)
         nbytes = grad.numel() * grad.element_size()
         overlapped = self._reducing.overlaps(nbytes)
         if not stage.shard_grads:

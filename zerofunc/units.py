@@ -119,7 +119,7 @@ def partition(model: nn.Module, unit_names: list[str]) -> list[tuple[str, nn.Mod
 
 def materialize(name: str, module: nn.Module, named: list, world_size: int, rank: int, stage: Stage,
                 device: torch.device, init: Optional[InitFn], dtype: torch.dtype, memory, offload=None,
-                grad_dtype: Optional[torch.dtype] = None) -> Unit:
+                grad_dtype: Optional[torch.dtype] = None, trained_dtype: Optional[torch.dtype] = None) -> Unit:
     """Allocate one unit on `device` and fill only what this rank keeps.
 
     Each parameter is drawn whole from `init` (so its values do not depend on the
@@ -128,8 +128,11 @@ def materialize(name: str, module: nn.Module, named: list, world_size: int, rank
     copy is filled from the fp32 values, not from their 16-bit rounding. On the meta
     device nothing is initialized. With `offload` (a zerofunc.offload.OptimizerOffload),
     the optimizer's state and a staging buffer (of `grad_dtype`, the reduced gradient's; default
-    `dtype`) are allocated in host memory.
+    `dtype`) are allocated in host memory. `trained_dtype` (default `dtype`, the compute dtype) is the
+    trainable weights' own, fp32 for LoRA's adapters under a 16-bit base (zerofunc/lora.py); frozen
+    weights are kept in `dtype`.
     """
+    compute, dtype = dtype, trained_dtype or dtype
     frozen = [(n, p) for n, p in named if not p.requires_grad]
     layout = FlatLayout.build([(n, p.shape) for n, p in named if p.requires_grad], world_size)
     whole = (0, layout.padded_numel)
@@ -158,7 +161,7 @@ def materialize(name: str, module: nn.Module, named: list, world_size: int, rank
     if offload is not None:
         master = filled(offload.zeros(owned[1] - owned[0], torch.float32, "optimizer"), owned)
         m, v = (offload.zeros(master.numel(), torch.float32, "optimizer") for _ in range(2))
-        staging = offload.zeros(master.numel(), grad_dtype or dtype, "grads")
+        staging = offload.zeros(master.numel(), torch.promote_types(grad_dtype or dtype, dtype), "grads")
     elif dtype != torch.float32:
         master = filled(allocated("optimizer", lambda: torch.zeros(owned[1] - owned[0], device=device,
                                                                    dtype=torch.float32)), owned)
@@ -167,7 +170,7 @@ def materialize(name: str, module: nn.Module, named: list, world_size: int, rank
     def gather_buffer(layout: FlatLayout, params: torch.Tensor) -> torch.Tensor:
         if not stage.shard_params:
             return params
-        full = allocated("buffers", lambda: torch.empty(layout.padded_numel, device=device, dtype=dtype))
+        full = allocated("buffers", lambda: torch.empty(layout.padded_numel, device=device, dtype=params.dtype))
         full.untyped_storage().resize_(0)
         memory.resized(full)
         return full
@@ -180,7 +183,7 @@ def materialize(name: str, module: nn.Module, named: list, world_size: int, rank
         frozen_layout = FlatLayout.build([(n, p.shape) for n, p in frozen], world_size)
         span = frozen_layout.shard_range(rank) if stage.shard_params else (0, frozen_layout.padded_numel)
         frozen_params = filled(allocated("params", lambda: torch.zeros(span[1] - span[0], device=device,
-                                                                       dtype=dtype)), span, frozen_layout)
+                                                                       dtype=compute)), span, frozen_layout)
         part = FrozenPart(frozen_layout, frozen_params, gather_buffer(frozen_layout, frozen_params))
     return Unit(name, module, layout, params, full, master, m, v, staging=staging, gathered=not stage.shard_params,
                 frozen=part)

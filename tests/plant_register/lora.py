@@ -22,6 +22,16 @@ PLANTS: list[Plant] = [
           also=((LORA, "        layer.register_forward_hook(_Adapter(lora.scaling, lora.dropout))\n    return names\n",
                  "        layer.register_forward_hook(_Adapter(lora.scaling, lora.dropout))\n"
                  "    for p in model.parameters():\n        p.requires_grad_(False)\n    return names\n"),)),
+    Plant("lora_adapters_in_bf16", LORA,
+          "    return torch.float32 if names and all(map(is_adapter, names)) else compute\n",
+          "    return compute\n",
+          "under bf16 the adapters are kept, and trained, in bf16 as the base is: not PEFT's fp32 adapters",
+          "issue 32", ("tests/test_lora.py::test_lora_trains_like_one_device_at_every_stage",)),
+    Plant("fp32_adapters_reduced_in_bf16", "zerofunc/reduction.py",
+          "        dtype = torch.promote_types(grad.dtype, self.reduce_dtype)\n",
+          "        dtype = self.reduce_dtype\n",
+          "fp32 adapters' gradients are rounded to bf16 for their reduction: the reduced gradient loses 16 bits",
+          "issue 32", ("tests/test_lora.py::test_lora_trains_like_one_device_at_every_stage",)),
     Plant("plan_ignores_lora", "zerofunc/plan/__init__.py",
           "        if self.lora is not None:\n            apply_lora(model, self.lora)\n", "",
           "the planner plans a LoRA run as a full fine-tune: optimizer state and reduce-scatters for the frozen "
