@@ -38,7 +38,7 @@ PLANTS: list[Plant] = [
     # frozen_weights_trained (initialize's refusal of requires_grad=False ignored) went with the refusal: issue 32
     # trains frozen weights as frozen, and tests/plant_register/frozen.py's frozen_parameters_trained guards it
     Plant("reduce_dtype_ignored", RED,
-          "        if grad.dtype != self.reduce_dtype:  # accumulated", "        if False:  # accumulated",
+          "        if grad.dtype != dtype:\n", "        if False:\n",
           "communication_data_type fp32 is read and ignored: bf16 gradients are still summed in bf16",
           "issue 30 (recipes)", ("tests/test_reduce_dtype.py", *FAST)),
     Plant("plan_command_drops_reduce_dtype", PLAN_CMD,
