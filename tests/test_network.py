@@ -60,3 +60,25 @@ def test_groups_tile_the_world():
     for bad in [(4, 1, 6), (3, 2, 12), (0, 1, 4)]:
         with pytest.raises(ValueError, match="do not tile"):
             groups(*bad)
+
+
+def test_gpus_per_node_builds_the_network_of_those_nodes(capsys):
+    """--gpus-per-node sets the network's devices per node, each GPU keeping its NIC: 16 ranks on nodes of
+    4 are 4 nodes whose rings leave each node through 4 NICs (half a DGX's), on nodes of 16 one NVLink
+    fabric. A stage-3 step sends the same bytes, its collectives slower or faster by those links; the
+    profile's own 8 is the profile."""
+    import json
+
+    from zerofunc.plan import Plan
+    from zerofunc.plan.__main__ import main as plan_main
+
+    assert Plan(world_size=16, stage=3, gpus_per_node=G).profile == H100
+    assert Plan(world_size=16, stage=3, gpus_per_node=4).profile.link(16).bandwidth == min(NVLINK.bandwidth, 4 * NIC.bandwidth)
+    assert Plan(world_size=16, stage=3, gpus_per_node=16).profile.link(16) == NVLINK
+    comm = {}
+    for per_node in (4, 8, 16):
+        assert plan_main(["--model", "gpt2-tiny", "--world-size", "16", "--stage", "3", "--levers", "none", "--json",
+                          "--gpus-per-node", str(per_node)]) == 0
+        comm[per_node] = json.loads(capsys.readouterr().out)["stages"][0]["comm"]
+    assert comm[4]["volume_bytes"] == comm[8]["volume_bytes"] == comm[16]["volume_bytes"]
+    assert comm[4]["time_s"] > comm[8]["time_s"] > comm[16]["time_s"]

@@ -76,6 +76,12 @@ PLANTS: list[Plant] = [
           "if layout is not None and not _aliases(out, (args, kwargs)):", "if layout is not None:",
           "the planner's kernel cache answers ops whose result shares an input's storage with fresh tensors",
           "issue 10 note", ("tests/test_llama_plan.py", *FAST)),
+    Plant("gpus_per_node_not_in_the_network", "zerofunc/plan/__init__.py",
+          "        if self.gpus_per_node is None or self.gpus_per_node == profile.devices_per_node:\n",
+          "        if True:\n",
+          "--gpus-per-node picks the world sizes and the torchrun command but the network model keeps the "
+          "profile's nodes: a step across nodes of 4 is costed as on DGX nodes of 8",
+          "issue 33", ("tests/test_network.py",)),
     Plant("docs_broken_link", "README.md", "](docs/TESTS.md)", "](docs/TEST.md)",
           "a README link leads nowhere", "issue 23 note", ("tests/test_docs.py",)),
 ]

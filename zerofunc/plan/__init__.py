@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 import torch
@@ -68,6 +68,7 @@ class Plan:
     offload_optimizer: bool = False                # the optimizer's state and update on the host (stages 1-3)
     reduce_dtype: Optional[str] = None             # communication_data_type: gradients reduce in it (None: precision)
     lora: Optional[LoRA] = None                    # adapters trained on the frozen model (zerofunc/lora.py)
+    gpus_per_node: Optional[int] = None            # the network's devices per node (None: the profile's)
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -82,6 +83,8 @@ class Plan:
             raise ValueError(f"an hpZ group of {self.hpz} ranks does not divide the shard group of {group}")
         get_stage(self.stage)
         get_profile(self.hardware)
+        if self.gpus_per_node is not None and self.gpus_per_node < 1:
+            raise ValueError(f"--gpus-per-node must be at least 1, got {self.gpus_per_node}")
         self.overlap  # validates
         self.checkpointing  # validates
         if self.offload_optimizer and self.stage == 0:
@@ -146,7 +149,14 @@ class Plan:
 
     @property
     def profile(self) -> Profile:
-        return get_profile(self.hardware)
+        """The hardware profile, with `gpus_per_node` devices per node where given: each device keeps its
+        share of the node's NICs (a DGX's one NIC per GPU stays one per GPU on a node of 4)."""
+        profile = get_profile(self.hardware)
+        if self.gpus_per_node is None or self.gpus_per_node == profile.devices_per_node:
+            return profile
+        nics = profile.nics_per_node
+        return replace(profile, devices_per_node=self.gpus_per_node,
+                       nics_per_node=None if nics is None else nics * self.gpus_per_node / profile.devices_per_node)
 
     @property
     def overlap(self) -> Overlap:

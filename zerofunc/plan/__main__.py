@@ -48,7 +48,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--world-size", required=True,
                    help="data-parallel ranks: a number, a list (8,16,64), or auto (per stage, the fewest that fit)")
     p.add_argument("--gpus-per-node", type=int, default=None,
-                   help="auto: past one node, try whole nodes only (default: powers of two)")
+                   help="devices per node, for the network model (default: the hardware profile's); with --world-size "
+                        "auto, past one node, try whole nodes only (default: powers of two)")
     p.add_argument("--max-world-size", type=int, default=4096, help="auto: the most ranks to try (default 4096)")
     p.add_argument("--stage", type=int, action="append", default=None,
                    help="a ZeRO stage to plan (repeatable; default: all four)")
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                     bucket_bytes=int(a.bucket_mb * 2**20),
                     activation_checkpointing=a.activation_checkpointing or "none", ac_every=a.ac_every,
                     offload_optimizer=a.offload_optimizer == "cpu", reduce_dtype=a.reduce_dtype,
-                    lora=lora_from_flags(a))
+                    lora=lora_from_flags(a), gpus_per_node=a.gpus_per_node)
         if base.lora is not None:
             base.build()  # the targets match something: refused here, in one line, not in every simulation
         if a.params is None and base.micro_batch * base.tokens > MAX_MICRO_BATCH_TOKENS:
