@@ -74,6 +74,25 @@ def collective_time(entry: LedgerEntry, link: Link) -> float:
     return link.time(entry.op, entry.ring_bytes_per_rank, entry.group_size)
 
 
+def exposed_comm_s(entries: list[LedgerEntry], events: Iterable[tuple[str, int, float]], links: dict[str, Link],
+                   compute_s: float) -> float:
+    """Seconds a step of `compute_s` of compute spends beyond it on its collectives, replayed from the planner's
+    schedule (Ledger.events: each launched, and first waited for, at a point of the compute). Each group's
+    collectives run one at a time in launch order on their own stream, as a process group's do; a launch
+    starts when the stream is free; a wait stalls the compute until the collective is done (a blocking one:
+    for itself and whatever was queued ahead of it). What is still running when the compute ends (the last
+    reductions, the replicas' average after backward) is exposed too: nothing is left to hide it."""
+    stall, free, done = 0.0, {}, {}
+    for kind, i, at in events:
+        now, entry = at + stall, entries[i]
+        if kind == "launch":
+            start = max(now, free.get(entry.group, 0.0))
+            done[i] = free[entry.group] = start + collective_time(entry, links[entry.group])
+        elif done[i] > now:
+            stall += done[i] - now
+    return stall + max(0.0, max(free.values(), default=0.0) - (compute_s + stall))
+
+
 def ledger_time(entries: Iterable[LedgerEntry], link: Link | dict[str, Link]) -> float:
     """Seconds of the entries' collectives, each on its group's link (`link`: one for all, or by group name)."""
     return sum(collective_time(e, link if isinstance(link, Link) else link[e.group]) for e in entries)

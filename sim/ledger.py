@@ -52,12 +52,16 @@ class LedgerEntry:
 @dataclass
 class Ledger:
     entries: list[LedgerEntry] = field(default_factory=list)
+    # The planner's schedule (a communicator with a clock, zerofunc/comm.py): ("launch" or "wait", the entry's
+    # index, the step's compute seconds at that moment), in program order; a collective's first wait only.
+    events: list[tuple[str, int, float]] = field(default_factory=list)
 
     def append(self, entry: LedgerEntry) -> None:
         self.entries.append(entry)
 
     def clear(self) -> None:
         self.entries.clear()
+        self.events.clear()
 
     def __len__(self) -> int:
         return len(self.entries)

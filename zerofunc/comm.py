@@ -15,7 +15,7 @@ the ZeRO paper's.
 """
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -51,12 +51,15 @@ class _Staged:
     """A collective's handle that also ends the backend staging counted for it, and then runs
     `then` (once): what makes an all-reduce the reduce-scatter it stands for."""
 
-    def __init__(self, work: Handle, memory, key, then=None):
-        self.work, self.memory, self.key, self.then = work, memory, key, then
+    def __init__(self, work: Handle, memory, key, then=None, waited=None):
+        self.work, self.memory, self.key, self.then, self.waited = work, memory, key, then, waited
 
     def wait(self) -> None:
         with self.memory.backend():  # gloo may stage again while finishing (an AVG divides a copy)
             self.work.wait()
+        if self.waited is not None:  # the planner's schedule: the step waits for it here
+            waited, self.waited = self.waited, None
+            waited()
         if self.key is not None:
             self.memory.drop(self.key)
             self.key = None
@@ -96,6 +99,9 @@ class Communicator:
         self.memory = NoMemoryTracking()
         self.link = link
         self.group_name = "world"  # the ledger's name for the ranks this communicator spans
+        # the planner's clock (zerofunc.plan.simulate: the step's compute seconds so far): with one, the ledger
+        # records when each collective is launched and first waited for (Ledger.events)
+        self.clock: Optional[Callable[[], float]] = None
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, tag: str = "", async_op: bool = False) -> Handle:
         """Concatenate every rank's `inp` (one shard) into `out`.
@@ -170,10 +176,15 @@ class Communicator:
         nbytes = payload.numel() * payload.element_size()
         self.ledger.append(LedgerEntry(op, str(payload.dtype).removeprefix("torch."), nbytes, self.world_size, tag,
                                        async_op, self.group_name))
+        waited = None
+        if self.clock is not None:
+            index, events, clock = len(self.ledger) - 1, self.ledger.events, self.clock
+            events.append(("launch", index, clock()))
+            waited = lambda: events.append(("wait", index, clock()))  # noqa: E731
         staged = int(nbytes * self.staging.get(op, 0.0))
         key = self.memory.hold(staged) if staged else None
         with self.memory.backend():
-            handle = _Staged(self._run(op, async_op=async_op or launch_only, **kw), self.memory, key, then)
+            handle = _Staged(self._run(op, async_op=async_op or launch_only, **kw), self.memory, key, then, waited)
         if not (async_op or launch_only):
             handle.wait()
         return handle

@@ -82,6 +82,17 @@ PLANTS: list[Plant] = [
           "--gpus-per-node picks the world sizes and the torchrun command but the network model keeps the "
           "profile's nodes: a step across nodes of 4 is costed as on DGX nodes of 8",
           "issue 33", ("tests/test_network.py",)),
+    Plant("comm_tail_hidden", "sim/cost.py",
+          "    return stall + max(0.0, max(free.values(), default=0.0) - (compute_s + stall))\n",
+          "    return stall\n",
+          "collectives still running when the compute ends (the last reductions, the replicas' average) are "
+          "costed as hidden behind compute that has finished",
+          "issue 33", ("tests/test_overlap.py::test_the_step_waits_for_what_it_waits_for_and_what_outlasts_its_compute",)),
+    Plant("comm_queue_ignored", "sim/cost.py",
+          "            start = max(now, free.get(entry.group, 0.0))\n", "            start = now\n",
+          "each collective starts when launched, as if a group ran any number at once: a blocking one never "
+          "waits for the reductions queued ahead of it",
+          "issue 33", ("tests/test_overlap.py::test_the_step_waits_for_what_it_waits_for_and_what_outlasts_its_compute",)),
     Plant("docs_broken_link", "README.md", "](docs/TESTS.md)", "](docs/TEST.md)",
           "a README link leads nowhere", "issue 23 note", ("tests/test_docs.py",)),
 ]

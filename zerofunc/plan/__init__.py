@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from sim.attention import TargetAttention
-from sim.cost import ledger_time
+from sim.cost import exposed_comm_s, ledger_time
 from sim.hardware import Profile, get_profile
 from sim.ledger import LedgerEntry
 from sim.memory import MemoryReport, MemoryTracker
@@ -207,23 +207,23 @@ class Simulation:
     overlapped_comm_s: float = 0.0  # the part of comm_s launched asynchronously
     offload_s: dict = field(default_factory=lambda: {"host": 0.0, "d2h": 0.0, "h2d": 0.0})  # optimizer offload
     timed: bool = True         # False: simulated for memory only (compute_s and flops are 0)
+    exposed_comm_s: float = 0.0  # what of comm_s the compute cannot hide, by the step's schedule
 
     @property
     def step_s(self) -> float:
         """Compute plus what it cannot hide, as the trainer overlaps it:
-        - the blocking collectives;
-        - the asynchronous ones (gradient reductions, prefetched gathers) and, with optimizer
-          offload, the gradients' copies to the host, less the part that hides behind the
-          compute they run behind: the profile's `overlap_hidden` of whichever is shorter
-          (1 on a GPU: all of it, unless it outlasts the compute; on a CPU rank, whose one core
-          runs both, what was measured);
-        - with offload, the update on the host, while each unit's new weights go up to the
-          device behind the next unit's update: the longer of the two.
+        - the collectives the step waits for before they are done, and those still running when its compute
+          ends (`exposed_comm_s`, sim.cost.exposed_comm_s: blocking ones, a prefetch not finished by the
+          block that needs it, the reductions after backward's last block); what runs behind compute costs
+          1 - the profile's `overlap_hidden` of itself (0 on a GPU; on a CPU rank, whose one core runs
+          both, what was measured);
+        - with optimizer offload, the gradients' copies to the host, hidden behind the compute at
+          `overlap_hidden` of whichever is shorter, and the update on the host, while each unit's new
+          weights go up to the device behind the next unit's update: the longer of the two.
         Recomputation needs no term: the roofline counts the recomputed forward's ops."""
-        exposed = self.comm_s - self.overlapped_comm_s
-        behind = self.overlapped_comm_s + self.offload_s["d2h"]
-        hidden = self.plan.profile.overlap_hidden * min(behind, self.compute_s)
-        return (self.compute_s + exposed + behind - hidden
+        h, d2h = self.plan.profile.overlap_hidden, self.offload_s["d2h"]
+        behind = max(0.0, self.comm_s - self.exposed_comm_s)
+        return (self.compute_s + self.exposed_comm_s + (1 - h) * behind + d2h - h * min(d2h, self.compute_s)
                 + max(self.offload_s["host"], self.offload_s["h2d"]))
 
     @property
@@ -288,21 +288,25 @@ def simulate(plan: Plan, timeline: bool = False, timing: bool = True, kernel_cac
                                           link=links["secondary"])
         secondary.group_name = "secondary"
     tracker = MemoryTracker(keep_timeline=timeline, workspaces=profile.matmul_workspace)
+    roofline = Roofline({k: v * profile.compute_efficiency for k, v in profile.flops.items()},
+                        profile.memory_bandwidth, host_bytes_per_s=profile.cpu_adamw_params_per_s * ADAMW_BYTES_COUNTED,
+                        link_bytes_per_s=profile.host_link_bandwidth, op_overhead_s=profile.op_overhead_s)
+    for group in (comm, replicas, secondary):  # each collective's launch and wait, at the compute's seconds
+        if group is not None and timing:
+            group.clock = lambda: roofline.time_s
     model = plan.build()
     # Built as the trainer builds it (fp16's loss scaler included), only on meta and without weights.
     engine = initialize(model, plan.zero_config(), device="meta", comm=comm, replicas=replicas, secondary=secondary,
                         memory=tracker, init=lambda name, shape: None, compile=False)
     batch = () if plan.params is not None else _meta_batch(plan, model)
-    roofline = Roofline({k: v * profile.compute_efficiency for k, v in profile.flops.items()},
-                        profile.memory_bandwidth, host_bytes_per_s=profile.cpu_adamw_params_per_s * ADAMW_BYTES_COUNTED,
-                        link_bytes_per_s=profile.host_link_bandwidth, op_overhead_s=profile.op_overhead_s)
     # the kernel cache sits below the instruments: they see every op, each layer's meta kernels run once
     with MetaKernelCache() if kernel_cache else contextlib.nullcontext(), tracker, roofline if timing else contextlib.nullcontext(), TargetAttention(profile.attention):
         train_step(engine, [batch] * plan.grad_accum)
     ledger = list(comm.ledger)
     return Simulation(plan, engine.numel, tracker.report(), ledger, roofline.flops, roofline.time_s,
                       ledger_time(ledger, links), ledger_time([e for e in ledger if e.overlapped], links),
-                      dict(roofline.elsewhere_s), timing)
+                      dict(roofline.elsewhere_s), timing,
+                      exposed_comm_s(ledger, comm.ledger.events, links, roofline.time_s) if timing else 0.0)
 
 
 def _meta_batch(plan: Plan, model: nn.Module) -> tuple[torch.Tensor, ...] | dict[str, torch.Tensor]:
