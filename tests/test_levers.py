@@ -34,7 +34,7 @@ from zerofunc.step import train_step
 CASES = [Case(GPTConfig(n_layer=3, n_head=2, n_embd=10, vocab_size=23, block_size=12), seed=3, micro_batch=2, seq=11),
          Case(LlamaConfig(n_layer=3, n_head=4, n_kv_head=2, n_embd=16, intermediate_size=11, vocab_size=29,
                           block_size=12), seed=5, micro_batch=3, seq=9)]
-LEVERS = [("full", 2, False), ("selective", 2, False), ("none", 2, True), ("full", 2, True)]
+LEVERS = [("full", 2, False), ("selective", 2, False), ("selective-op", 2, False), ("none", 2, True), ("full", 2, True)]
 
 
 def executed(case: Case, stage: int, ac: str, every: int, offload: bool):
@@ -93,7 +93,51 @@ def test_each_lever_is_planned_as_it_trains():
     collectives to the byte, the device peak within 5%, the host peak to the byte; checkpointing
     gathers no more than without (one gather serves recompute and backward); offload's device
     peak falls by at least m and v."""
-    assert in_world(2, check_levers_planned_as_trained) == [2 * (4 * 2 + 3 * 2)] * 2
+    assert in_world(2, check_levers_planned_as_trained) == [2 * (4 * 3 + 3 * 2)] * 2
+
+
+def _ops_and_gradients(ac: str, stage: int):
+    """One step of CASES[0]'s GPT (3 blocks of 4 matmuls and one attention each) with `ac`: how many matmuls
+    and attention forwards ran, and the gradients."""
+    case = CASES[0]
+    comm = DistCommunicator()
+    with torch.device("meta"):
+        model = build_model(case.cfg)
+    engine = ZeroEngine(model, STAGES[stage], comm, AdamWConfig(), init=lambda n, s: model.init_param(n, s, case.seed),
+                        checkpointing=ActivationCheckpointing(ac))
+    x, y, _ = global_batches(case, 1, 1)[0]
+    with _Ops() as ops:
+        loss = engine(x, y)
+        engine.backward(loss)
+    grads = engine.full_gradients()
+    matmuls = sum(ops.names.count(n) for n in ("mm.default", "addmm.default"))
+    attention = sum(n.startswith("_scaled_dot_product") and "backward" not in n for n in ops.names)
+    return matmuls, attention, grads
+
+
+def op_selective_counts():
+    """Per (mode, stage): the matmuls, the attention forwards, and whether the gradients are those without
+    checkpointing to the bit (compared here: tensors do not come back from a rank)."""
+    runs = {(ac, stage): _ops_and_gradients(ac, stage) for ac in ("none", "full", "selective-op") for stage in (0, 3)}
+    return {key: (mm, att, all(torch.equal(g[n], runs["none", key[1]][2][n]) for n in g))
+            for key, (mm, att, g) in runs.items()}
+
+
+def test_op_selective_checkpointing_recomputes_all_but_the_attention_and_every_second_matmul():
+    """One rank, stages 0 and 3, a GPT of 3 blocks, each: the qkv matmul, attention, its projection, the MLP's
+    two matmuls. Recomputation stops once backward has what it needs (torch's non-reentrant checkpoint), and
+    no backward needs a block's last matmul's output: full checkpointing runs 3 matmuls and the attention of
+    each block again, selective-op, keeping the attention's output and the 1st and 3rd matmuls', runs only
+    the 2nd (torchtitan's policy); both recompute the head's logits chunk (zerofunc/lm_head.py: one chunk
+    here). The gradients are those without checkpointing, bit for bit (the same ops on the same values)."""
+    blocks = CASES[0].cfg.n_layer
+    got = in_world(1, op_selective_counts)[0]
+    for stage in (0, 3):
+        (none_mm, none_att, _), (full_mm, full_att, _), (op_mm, op_att, same) = (
+            got[ac, stage] for ac in ("none", "full", "selective-op"))
+        assert (full_mm - none_mm, full_att - none_att) == (3 * blocks + 1, blocks), (stage, got)
+        assert (op_mm - none_mm, op_att - none_att) == (blocks + 1, 0), (stage, got)
+        assert same, f"stage {stage}: the gradients differ from those without checkpointing"
 
 
 class _Ops(TorchDispatchMode):

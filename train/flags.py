@@ -67,7 +67,7 @@ def parser() -> ArgumentParser:
                    help=f"MiB of gradient reductions in flight before waiting (default {Overlap.bucket_bytes / 2**20:g}; "
                         "0: none)")
     p.add_argument("--activation-checkpointing", choices=MODES, default=None,
-                   help="recompute blocks' forward in backward: every block (full), one in --ac-every (selective)")
+                   help="recompute blocks' forward in backward: every block (full), one in --ac-every (selective), every block but its attention's and every second matmul's outputs (selective-op)")
     p.add_argument("--ac-every", type=int, default=None, help="selective checkpointing: one block in K (default 2)")
     p.add_argument("--shard-group", type=int, default=None, metavar="S",
                    help="hybrid sharding: stages 1-3 shard within groups of S consecutive ranks and average each "

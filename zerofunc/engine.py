@@ -160,7 +160,8 @@ class ZeroEngine(BlockHooks, WholeState):
                 forward = torch.compile(forward)
             forward = self._unseen_by_the_tape(forward)
             if checkpointing.recomputes(i):
-                forward = checkpointed(forward, lambda u=unit: u.bound is not None, lambda u=unit: self._recomputing(u))
+                forward = checkpointed(forward, lambda u=unit: u.bound is not None, lambda u=unit: self._recomputing(u),
+                                       checkpointing.keeps_ops)
             self._forwards[unit.module] = forward
         # the output head's logits, recomputed chunk by chunk
         self._settings = [(m, "recompute", checkpointing.on) for m in model.modules()

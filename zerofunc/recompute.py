@@ -4,11 +4,14 @@
 - "none": every block keeps its activations (the default);
 - "full": every block recomputes;
 - "selective": every `every`-th block recomputes (the first, then every `every`-th after it),
-  torchtitan's layer-selective mode. The alternative, saving some ops' outputs inside every
-  block (torchtitan's op-selective mode, or Megatron's), needs to know the model's ops: which
-  call is the attention, which matmuls are worth keeping. A block is the one thing zerofunc
-  knows about every model it accepts, so selection is by block, and `every` is one number
-  the planner can search.
+  torchtitan's layer-selective mode;
+- "selective-op": every block recomputes, but keeps the outputs of its compute-heavy ops, as
+  torchtitan's op-selective mode does: the attention's, and every second matmul's (`mm` and
+  `addmm`, counted in the block's order, the same in its forward and in its recomputation); the
+  rest (norms, activations, the other matmuls) is recomputed. Ops are recognized by the aten op
+  they dispatch to, so this holds for any model whose blocks run aten's matmuls and
+  scaled-dot-product attention (torch's `create_selective_checkpoint_contexts`). Under a dispatch
+  mode, as this selection is, a block compiled with torch.compile runs eager.
 
 The mechanism is torch's non-reentrant `torch.utils.checkpoint`: the forward saves nothing
 inside the block, and the first time backward needs one of its tensors the block runs
@@ -20,7 +23,7 @@ checkpointing, and training is bit for bit the same in fp32.
 The output head is not a block, but it keeps the largest activations of all: the logits and
 their softmax, vocabulary-wide per token. A model whose loss is `zerofunc.lm_head.LinearCrossEntropy`
 (zerofunc's GPT-2 and Llama are) recomputes its logits chunk by chunk whenever checkpointing is
-on, full or selective; other models keep their head as they compute it.
+on, in any mode; other models keep their head as they compute it.
 
 A recomputed block's weights must be bound again (the engine binds a block's views only
 while its forward runs), and under stage 3 gathered again: the engine's `recompute`
@@ -36,9 +39,33 @@ from typing import Callable
 
 import torch
 from torch.overrides import _get_current_function_mode_stack
-from torch.utils.checkpoint import checkpoint
+from torch.utils._python_dispatch import _pop_mode_temporarily
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-MODES = ("none", "full", "selective")
+MODES = ("none", "full", "selective", "selective-op")
+
+_aten = torch.ops.aten
+MATMULS = frozenset({_aten.mm.default, _aten.addmm.default})
+ATTENTION = frozenset(getattr(_aten, name).default for name in (  # each backend's kernel (CPU's its own)
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    if hasattr(_aten, name))
+
+
+def _keep_attention_and_every_second_matmul():
+    """The op-selective policy's contexts for one run of one block: a fresh matmul count for its forward
+    and for its recomputation, so each keeps the same matmuls' outputs."""
+    counts = {False: 0, True: 0}
+
+    def policy(ctx, func, *args, **kwargs):
+        if func in ATTENTION:
+            return CheckpointPolicy.MUST_SAVE
+        if func in MATMULS:
+            counts[ctx.is_recompute] += 1
+            if counts[ctx.is_recompute] % 2:
+                return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return create_selective_checkpoint_contexts(policy)
 
 
 @dataclass(frozen=True)
@@ -58,14 +85,21 @@ class ActivationCheckpointing:
 
     def recomputes(self, block: int) -> bool:
         """Whether block number `block` (from 0, in forward order) is checkpointed."""
-        return self.mode == "full" or (self.mode == "selective" and block % self.every == 0)
+        return self.mode in ("full", "selective-op") or (self.mode == "selective" and block % self.every == 0)
+
+    @property
+    def keeps_ops(self) -> bool:
+        """Whether a checkpointed block keeps some ops' outputs (selective-op) rather than none."""
+        return self.mode == "selective-op"
 
     def describe(self) -> str:
-        return {"none": "none", "full": "full"}.get(self.mode, f"every {self.every}")
+        return {"none": "none", "full": "full", "selective-op": "ops"}.get(self.mode, f"every {self.every}")
 
 
-def checkpointed(forward: Callable, in_forward: Callable[[], bool], recompute: Callable[[], contextlib.AbstractContextManager]):
-    """`forward` run under non-reentrant checkpointing.
+def checkpointed(forward: Callable, in_forward: Callable[[], bool], recompute: Callable[[], contextlib.AbstractContextManager],
+                 keep_ops: bool = False):
+    """`forward` run under non-reentrant checkpointing; `keep_ops`: keeping the attention's and every second
+    matmul's outputs (selective-op).
 
     `in_forward()` tells the first run (the engine has bound the block's weights) from the
     recomputation in backward, which runs inside `recompute()`: the engine's context that
@@ -80,7 +114,7 @@ def checkpointed(forward: Callable, in_forward: Callable[[], bool], recompute: C
         def run_block(*args, **kwargs):
             if in_forward():
                 return forward(*args, **kwargs)
-            with recompute(), contextlib.ExitStack() as stack:
+            with _outside_the_selection(recompute()) if keep_ops else recompute(), contextlib.ExitStack() as stack:
                 # the forward's function modes, as checkpoint restores its autocast state: a mode
                 # is off while its own handler runs, and backward may have been called from one
                 active = _get_current_function_mode_stack()
@@ -89,5 +123,24 @@ def checkpointed(forward: Callable, in_forward: Callable[[], bool], recompute: C
                         stack.enter_context(mode)
                 return forward(*args, **kwargs)
 
-        return checkpoint(run_block, *args, use_reentrant=False, preserve_rng_state=not meta, **kwargs)
+        selective = {"context_fn": _keep_attention_and_every_second_matmul} if keep_ops else {}
+        return checkpoint(run_block, *args, use_reentrant=False, preserve_rng_state=not meta, **selective, **kwargs)
     return wrapper
+
+
+@contextlib.contextmanager
+def _outside_the_selection(context: contextlib.AbstractContextManager):
+    """`context` (the engine's regather and binding) entered and left outside selective checkpointing's
+    dispatch mode, the innermost while a block is recomputed: that mode replays the ops of the block's
+    first run one for one, and the regather's ops were not among them (the first run gathered before it)."""
+    with _pop_mode_temporarily():
+        context.__enter__()
+    try:
+        yield
+    except BaseException as e:
+        with _pop_mode_temporarily():
+            if not context.__exit__(type(e), e, e.__traceback__):
+                raise
+    else:
+        with _pop_mode_temporarily():
+            context.__exit__(None, None, None)

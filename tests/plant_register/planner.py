@@ -93,6 +93,21 @@ PLANTS: list[Plant] = [
           "each collective starts when launched, as if a group ran any number at once: a blocking one never "
           "waits for the reductions queued ahead of it",
           "issue 33", ("tests/test_overlap.py::test_the_step_waits_for_what_it_waits_for_and_what_outlasts_its_compute",)),
+    Plant("op_selective_saves_every_matmul", "zerofunc/recompute.py",
+          "            if counts[ctx.is_recompute] % 2:\n", "            if True:\n",
+          "selective-op keeps every matmul's output, not every second one: more memory than torchtitan's policy, "
+          "planned and trained alike, so only the ops recomputed show it",
+          "issue 33", ("tests/test_levers.py::test_op_selective_checkpointing_recomputes_all_but_the_attention_and_every_second_matmul",)),
+    Plant("op_selective_recomputes_attention", "zerofunc/recompute.py",
+          "        if func in ATTENTION:\n            return CheckpointPolicy.MUST_SAVE\n", "",
+          "selective-op recomputes the attention, the costliest op it was meant to keep",
+          "issue 33", ("tests/test_levers.py::test_op_selective_checkpointing_recomputes_all_but_the_attention_and_every_second_matmul",)),
+    Plant("op_selective_regathers_inside_the_selection", "zerofunc/recompute.py",
+          "            with _outside_the_selection(recompute()) if keep_ops else recompute(),",
+          "            with recompute(),",
+          "stage 3 regathers a recomputed block's weights under selective checkpointing's dispatch mode, which "
+          "replays only the block's own ops: backward fails on the gather's first op",
+          "issue 33", ("tests/test_levers.py::test_each_lever_is_planned_as_it_trains",)),
     Plant("docs_broken_link", "README.md", "](docs/TESTS.md)", "](docs/TEST.md)",
           "a README link leads nowhere", "issue 23 note", ("tests/test_docs.py",)),
 ]
