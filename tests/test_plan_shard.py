@@ -60,6 +60,9 @@ def test_shard_group_auto_is_the_smallest_that_fits_then_the_fastest(capsys):
                    if c != s), "the fastest of the groups that fit, the smaller on a tie"
         chosen[row["stage"]] = s
     assert chosen == {1: 4, 2: 4, 3: 8}, chosen
+    # at stage 3 neither a node (4, does not fit) nor the world: the JSON says by how much 8 beat the world
+    why = {row["stage"]: row["shard_group_choice"] for row in doc["stages"]}
+    assert why[1] is None and why[2] is None and "more tokens/s than 16 (the whole world), beyond" in why[3], why
     best = doc["recommended"]
     assert best["shard_group"] < world and "--shard-group" in doc["recommended_command"]
     assert doc["recommended_command"][doc["recommended_command"].index("--shard-group") + 1] == str(best["shard_group"])
@@ -88,3 +91,35 @@ def test_shard_group_bad_input(capsys, argv, message):
         args = args[:2] + args[4:]
     code, out, err = run_plan(capsys, *args, *argv)
     assert code == 2 and not out and err.count("\n") == 1 and message in err
+
+
+def test_shard_group_auto_takes_another_group_only_beyond_the_planner_s_error(monkeypatch, capsys):
+    """64 ranks on nodes of 8, every group fitting, at planned tokens/s set by hand: a group of 16 that
+    plans 5.8% more than the better of a node (8) and the world (64) loses to the world, within the
+    planner's 10% error; at 16.5% more it wins. Either way the choice says its margin (the JSON's
+    `shard_group_choice` and a line of the table: the test above)."""
+    from dataclasses import dataclass
+    from types import SimpleNamespace
+
+    from zerofunc.plan import search
+
+    @dataclass
+    class Planned:
+        sim: object
+        fits: bool
+        tokens_per_s: float
+        shard_choice: str | None = None
+
+    def chosen(rates):
+        monkeypatch.setattr(search, "_first_fitting", lambda candidates, *a, **k: candidates[0])
+        monkeypatch.setattr(search, "report_stage", lambda p, *a, **k: Planned(
+            SimpleNamespace(plan=p), True, rates[p.shard_group or p.world_size]))
+        r = search.best_shard_group(Plan(world_size=64, stage=3, model="gpt2-tiny"), 1 << 40, per_node=8)
+        return r.sim.plan.shard_group or 64, r.shard_choice
+
+    group, why = chosen({8: 100.0, 16: 109.0, 32: 104.0, 64: 103.0})
+    assert group == 64 and why == ("64; 16 plans 5.8% more tokens/s than 64 (the whole world), within the "
+                                   "planner's 10% error"), why
+    group, why = chosen({8: 100.0, 16: 120.0, 32: 104.0, 64: 103.0})
+    assert group == 16 and "16.5% more tokens/s than 64" in why and "beyond the planner's 10% error" in why
+    assert chosen({8: 110.0, 16: 100.0, 32: 100.0, 64: 100.0}) == (8, None)  # a node, fastest: nothing to say

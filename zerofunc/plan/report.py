@@ -21,6 +21,7 @@ class StageReport:
     beyond: bool = False            # world size auto: no candidate fits; this is the largest tried
     host_capacity: Optional[int] = None  # host memory per rank, checked when given
     timed: bool = True              # False: a plan that does not fit, simulated for memory only
+    shard_choice: Optional[str] = None  # --shard-group auto: why this group, against the preferred ones
 
     @property
     def fits(self) -> bool:
@@ -64,6 +65,7 @@ class StageReport:
             "fits": self.fits,
             "none_fit_up_to_this_world_size": self.beyond,
             "max_micro_batch": self.max_micro_batch,
+            "shard_group_choice": self.shard_choice,
         }
 
 
@@ -174,7 +176,8 @@ def as_table(plan: Plan, reports: list[StageReport], capacity: int, ranks: Optio
         groups = f" in shard groups of {b.hybrid_group}" if b.hybrid_group else ""
         verdict = (f"recommended: stage {b.stage} on {b.world_size} ranks{groups}{levers}{mb} "
                    f"(the fewest ranks that fit; there, the most tokens/s)")
-    lines = [head, "", line(cols), *(line(row) for row in rows), "", verdict,
+    choices = [f"shard group, stage {r.sim.plan.stage}: {r.shard_choice}" for r in reports if r.shard_choice]
+    lines = [head, "", line(cols), *(line(row) for row in rows), "", *choices, verdict,
              *(command_lines(best.sim.plan, gpus_per_node) if best is not None else [])]
     if best is not None and costs:
         lines.append("what its levers cost (the same plan with one lever off):")
