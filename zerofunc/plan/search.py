@@ -229,19 +229,23 @@ def best_shard_group(plan: Plan, capacity: int, timeline: bool = False, host_cap
     tried = candidates[candidates.index(smallest):] if smallest is not None else [n]
     reports = [report_stage(replace(plan, shard_group=None if s == n else s), capacity, timeline, host_capacity,
                             micro_batch_cap) for s in tried]
-    fitting = [r for r in reports if r.fits] or reports
-    def fastest(rs):
-        return max(rs, key=lambda r: (round(r.tokens_per_s, 3), -(r.sim.plan.shard_group or n)))
-    best = fastest(fitting)
-    size = lambda r: r.sim.plan.shard_group or n  # noqa: E731
-    preferred = [r for r in fitting if size(r) in (per_node, n)]
-    if not preferred or len(fitting) < 2 or not all(r.fits for r in fitting):
-        return best
-    pick = fastest(preferred)
+    fitting = [r for r in reports if r.fits]
+    if not fitting:
+        return reports[-1]  # the fully sharded plan, which says by how much nothing fits
+
+    def size(r: StageReport) -> int:
+        return r.sim.plan.shard_group or n
+
+    def fastest(rs: list[StageReport]) -> StageReport:
+        return max(rs, key=lambda r: (round(r.tokens_per_s, 3), -size(r)))
+
+    best, preferred = fastest(fitting), [r for r in fitting if size(r) in (per_node, n)]
+    pick = fastest(preferred) if preferred else best
     if best is pick:
         return best
     margin = best.tokens_per_s / pick.tokens_per_s - 1
-    what = f"{size(best)} plans {margin:.1%} more tokens/s than {size(pick)} ({'a node' if size(pick) == per_node else 'the whole world'})"
+    what = (f"{size(best)} plans {margin:.1%} more tokens/s than {size(pick)} "
+            f"({'a node' if size(pick) == per_node else 'the whole world'})")
     if margin > PLANNER_ERROR:
         return replace(best, shard_choice=f"{what}, beyond the planner's {PLANNER_ERROR:.0%} error")
     return replace(pick, shard_choice=f"{size(pick)}; {what}, within the planner's {PLANNER_ERROR:.0%} error")
