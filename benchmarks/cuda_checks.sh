@@ -21,6 +21,9 @@
 #                                          timed and profiled by cProfile; with OLD_TREE, that tree's first)
 #   lora                                  (on demand, about 2 minutes: --lora 8 at stages 0 and 3, 1 GPU)
 #   snapshot                              (on demand: the allocator's blocks at two cells' peaks)
+#   constants                             (on demand, under a minute expected: issue 33's per-op-class constants,
+#                                          benchmarks/op_constants.py: GEMM shapes of a Llama-3-8B block, causal
+#                                          attention forward and backward, a 1 GiB copy, the kernel floor)
 # A part that fails is reported and the next one still runs; the exit code is the
 # number of failed parts.
 set -uo pipefail
@@ -97,6 +100,7 @@ torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory)
           done ;;
     snapshot) for cell in "0 1" "3 64"; do set -- $cell
            run "snapshot-s$1-w$2" $PY benchmarks/cuda_memory_snapshot.py --model gpt2-small --stage "$1" --world-size "$2"; done ;;
+    constants) run constants $PY benchmarks/op_constants.py --json-out "$OUT/op-constants.json" ;;
     adamw) run adamw-fp32 $PY benchmarks/fused_adamw.py
            run adamw-bf16 $PY benchmarks/fused_adamw.py --grad-dtype bf16 ;;
     *) echo "unknown part $1"; failed=$((failed + 1)) ;;
