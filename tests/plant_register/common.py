@@ -35,7 +35,7 @@ ENG, OPT, COMM, CKPT, FUSED = ("zerofunc/engine.py", "zerofunc/sharded_optim.py"
                                "zerofunc/checkpoint.py", "zerofunc/fused.py")
 RED = "zerofunc/reduction.py"
 HOOKS = "zerofunc/block_hooks.py"  # the engine's block hooks (a mixin of ZeroEngine's)
-PLAN, HYBRID_REPLICAS = "zerofunc/plan/__init__.py", (
+PLAN, HYBRID_REPLICAS = "zerofunc/plan/simulation.py", (
     "            if self.replicas is not None and boundary:\n"
     "                # the shard's mean over the replicas, once a step, in flight behind the rest of backward\n"
     "                shard_bytes = unit.grad.numel() * unit.grad.element_size()\n"
