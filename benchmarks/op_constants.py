@@ -32,26 +32,22 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from sim.hardware import profile_for_device  # noqa: E402
+from zerofunc.check.calibrate import cuda_median_s  # noqa: E402
 from zerofunc.models import model_config  # noqa: E402
 
 
 def timed(fn, device: str, reps: int = 20, warmup: int = 3) -> float:
-    """Median seconds of `fn()` over `reps` runs."""
+    """Median seconds of `fn()` over `reps` runs: by CUDA events (zerofunc.check's calibration's timer), or on a
+    CPU by the wall clock."""
+    if device == "cuda":
+        return cuda_median_s(fn, warmup, reps)
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 

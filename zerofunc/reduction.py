@@ -19,7 +19,7 @@ from zerofunc.layout import shard
 from zerofunc.offload import OptimizerOffload
 from zerofunc.overlap import InFlight
 from zerofunc.stages import Stage
-from zerofunc.units import Unit
+from zerofunc.units import Unit, reduced_dtype
 
 
 class GradientReduction:
@@ -40,9 +40,7 @@ class GradientReduction:
         in-flight queue waits for it: later, while autograd works on earlier blocks.
         """
         stage, comm = self.stage, self.comm
-        # accumulated and reduced in the configured dtype from here on, never below the weights' own (fp32
-        # adapters under a 16-bit base reduce in fp32)
-        dtype = torch.promote_types(grad.dtype, self.reduce_dtype)
+        dtype = reduced_dtype(grad.dtype, self.reduce_dtype)  # accumulated and reduced in it from here on
         if grad.dtype != dtype:
             grad = grad.to(dtype)
         nbytes = grad.numel() * grad.element_size()

@@ -26,6 +26,12 @@ parameter into `out`: pretrained weights (zerofunc/pretrained.py) read just a ra
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def reduced_dtype(weights: torch.dtype, reduce: torch.dtype) -> torch.dtype:
+    """The dtype a unit's gradients are accumulated and reduced in: the configured `reduce` dtype, never below
+    the weights' own (fp32 adapters under a 16-bit base reduce in fp32)."""
+    return torch.promote_types(weights, reduce)
+
+
 def check_reduce_dtype(reduce_dtype: Optional[str], precision: str) -> None:
     """Gradients reduce in the compute dtype or, under bf16 and fp16, in fp32 (None: the compute dtype's).
     ValueError otherwise: a narrower reduction than the gradients would only lose bits."""
@@ -132,7 +138,7 @@ def materialize(name: str, module: nn.Module, named: list, world_size: int, rank
     trainable weights' own, fp32 for LoRA's adapters under a 16-bit base (zerofunc/lora.py); frozen
     weights are kept in `dtype`.
     """
-    compute, dtype = dtype, trained_dtype or dtype
+    trained = trained_dtype or dtype
     frozen = [(n, p) for n, p in named if not p.requires_grad]
     layout = FlatLayout.build([(n, p.shape) for n, p in named if p.requires_grad], world_size)
     whole = (0, layout.padded_numel)
@@ -156,13 +162,13 @@ def materialize(name: str, module: nn.Module, named: list, world_size: int, rank
         memory.track(t, category)
         return t
 
-    params = filled(allocated("params", lambda: torch.zeros(kept[1] - kept[0], device=device, dtype=dtype)), kept)
+    params = filled(allocated("params", lambda: torch.zeros(kept[1] - kept[0], device=device, dtype=trained)), kept)
     staging = None
     if offload is not None:
         master = filled(offload.zeros(owned[1] - owned[0], torch.float32, "optimizer"), owned)
         m, v = (offload.zeros(master.numel(), torch.float32, "optimizer") for _ in range(2))
-        staging = offload.zeros(master.numel(), torch.promote_types(grad_dtype or dtype, dtype), "grads")
-    elif dtype != torch.float32:
+        staging = offload.zeros(master.numel(), reduced_dtype(trained, grad_dtype or dtype), "grads")
+    elif trained != torch.float32:
         master = filled(allocated("optimizer", lambda: torch.zeros(owned[1] - owned[0], device=device,
                                                                    dtype=torch.float32)), owned)
     else:
@@ -183,7 +189,7 @@ def materialize(name: str, module: nn.Module, named: list, world_size: int, rank
         frozen_layout = FlatLayout.build([(n, p.shape) for n, p in frozen], world_size)
         span = frozen_layout.shard_range(rank) if stage.shard_params else (0, frozen_layout.padded_numel)
         frozen_params = filled(allocated("params", lambda: torch.zeros(span[1] - span[0], device=device,
-                                                                       dtype=compute)), span, frozen_layout)
+                                                                       dtype=dtype)), span, frozen_layout)
         part = FrozenPart(frozen_layout, frozen_params, gather_buffer(frozen_layout, frozen_params))
     return Unit(name, module, layout, params, full, master, m, v, staging=staging, gathered=not stage.shard_params,
                 frozen=part)
