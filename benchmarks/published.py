@@ -26,16 +26,28 @@ from typing import Optional
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sim.hardware import PROFILES_ENV  # noqa: E402
+from zerofunc.models.gpt2 import GPTConfig  # noqa: E402
 from zerofunc.models.llama import LlamaConfig  # noqa: E402
 from zerofunc.plan import Plan, simulate  # noqa: E402
 
 TITAN_H100 = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
 TITAN_A100 = "torchtitan docs/performance.md (64 A100 80GB; network not published)"
+FOUNDRY = "llm-foundry scripts/train/benchmarking/README.md"
 # Llama 2's published shapes (their config.json), which zerofunc has no preset for
 LLAMA2_13B = LlamaConfig(n_layer=40, n_head=40, n_embd=5120, intermediate_size=13824, vocab_size=32000,
                          block_size=4096, rms_norm_eps=1e-5, rope_theta=10000.0)
 LLAMA2_70B = LlamaConfig(n_layer=80, n_head=64, n_kv_head=8, n_embd=8192, intermediate_size=28672,
                          vocab_size=32000, block_size=4096, rms_norm_eps=1e-5, rope_theta=10000.0)
+
+# MPT as llm-foundry benchmarked it: its benchmark configs (scripts/train/yamls/pretrain/mpt-*.yaml) set d_model,
+# n_heads, n_layers, expansion_ratio 4, vocab_size 50368 and max_seq_len, and leave the rest at MPTConfig's defaults:
+# learned positions (no ALiBi), biases on (no_bias false), LayerNorm, GELU, tied embeddings. That is GPT-2's
+# architecture; the table's NumParams column says so to the parameter (tests/test_published.py).
+MPT_7B = GPTConfig(n_layer=32, n_head=32, n_embd=4096, vocab_size=50368, block_size=2048)
+MPT_13B = GPTConfig(n_layer=40, n_head=40, n_embd=5120, vocab_size=50368, block_size=2048)
+MPT_70B = GPTConfig(n_layer=80, n_head=64, n_embd=8192, vocab_size=50368, block_size=2048)
+# NumParams as the README's tables give them, at seq 2048
+MPT_PARAMS = {MPT_7B: 6658859008, MPT_13B: 12853954560, MPT_70B: 64862437376}
 
 # The published bounds of a peak known only between two parts (sim/profiles.json says why)
 FLOPS_BOUNDS = {"h100-sxm-96gb-500w": {"H100 NVL": {"bf16": 835e12, "fp16": 835e12, "fp32": 60e12},
@@ -51,29 +63,42 @@ class Run:
     gpus: int
     micro_batch: int
     seq: int
-    checkpointing: str      # zerofunc's: none, full, selective (one block in ac_every)
+    checkpointing: str      # zerofunc's: none, full, selective (one block in ac_every), selective-op
     tokens_per_s: float     # per GPU, published
     gib: Optional[float] = None
     unmodelled: tuple[str, ...] = field(default=())  # what the run did that the planner does not model
+    grad_accum: int = 1
 
     def plan(self) -> Plan:
         return Plan(world_size=self.gpus, stage=3, model=self.model, precision="bf16", micro_batch=self.micro_batch,
-                    seq=self.seq, hardware=self.hardware, activation_checkpointing=self.checkpointing)
+                    grad_accum=self.grad_accum, seq=self.seq, hardware=self.hardware,
+                    activation_checkpointing=self.checkpointing)
+
+    @property
+    def tokens_per_step(self) -> int:  # per GPU
+        return self.micro_batch * self.grad_accum * self.seq
 
 
-OP_SAC = "op-level selective AC (saves every second matmul's output), planned as one block in 2 recomputed"
+FOUNDRY_ATTENTION = ("llm-foundry runs its own FlashAttention (attn_impl flash), zerofunc's GPT PyTorch's SDPA "
+                     "flash kernel: the same FLOPs, both priced at the profile's flash efficiency")
 RUNS = [
-    Run(TITAN_H100, "Llama-3.1-8B FSDP, 8 GPUs", "llama3-8b", "h100-sxm-96gb-500w", 8, 2, 8192, "selective",
-        5762, 82.4, (OP_SAC,)),
-    Run(TITAN_H100, "Llama-3.1-8B FSDP, 128 GPUs", "llama3-8b", "h100-sxm-96gb-500w", 128, 2, 8192, "selective",
-        5605, 67.0, (OP_SAC,)),
+    Run(TITAN_H100, "Llama-3.1-8B FSDP, 8 GPUs", "llama3-8b", "h100-sxm-96gb-500w", 8, 2, 8192, "selective-op",
+        5762, 82.4),
+    Run(TITAN_H100, "Llama-3.1-8B FSDP, 128 GPUs", "llama3-8b", "h100-sxm-96gb-500w", 128, 2, 8192, "selective-op",
+        5605, 67.0),
     Run(TITAN_A100, "Llama-3-8B, selective layer AC", "llama3-8b", "a100-sxm", 64, 1, 8192, "selective", 2904),
-    Run(TITAN_A100, "Llama-3-8B, selective op AC", "llama3-8b", "a100-sxm", 64, 1, 8192, "selective", 2973, None,
-        (OP_SAC,)),
+    Run(TITAN_A100, "Llama-3-8B, selective op AC", "llama3-8b", "a100-sxm", 64, 1, 8192, "selective-op", 2973),
     Run(TITAN_A100, "Llama-3-70B, full AC", "llama3-70b", "a100-sxm", 64, 1, 8192, "full", 331),
     Run(TITAN_A100, "Llama-2-13B, no AC", LLAMA2_13B, "a100-sxm", 64, 2, 4096, "none", 2162),
     Run(TITAN_A100, "Llama-2-13B, selective layer AC", LLAMA2_13B, "a100-sxm", 64, 2, 4096, "selective", 1914),
     Run(TITAN_A100, "Llama-2-70B, full AC", LLAMA2_70B, "a100-sxm", 64, 2, 4096, "full", 353),
+    # llm-foundry: A100 80GB nodes with 1600 Gbps between them (8 x 200 Gb/s, as a100-sxm), H100 80GB
+    Run(FOUNDRY, "MPT-7B, no AC", MPT_7B, "a100-sxm", 8, 6, 2048, "none", 4641, None, (FOUNDRY_ATTENTION,), 2),
+    Run(FOUNDRY, "MPT-7B, no AC", MPT_7B, "h100-sxm", 8, 6, 2048, "none", 10643, None, (FOUNDRY_ATTENTION,)),
+    Run(FOUNDRY, "MPT-13B, no AC", MPT_13B, "a100-sxm", 8, 2, 2048, "none", 2262, None, (FOUNDRY_ATTENTION,), 3),
+    Run(FOUNDRY, "MPT-13B, no AC", MPT_13B, "h100-sxm", 8, 2, 2048, "none", 4792, None, (FOUNDRY_ATTENTION,)),
+    Run(FOUNDRY, "MPT-70B, full AC", MPT_70B, "a100-sxm", 64, 8, 2048, "full", 410, None, (FOUNDRY_ATTENTION,), 4),
+    Run(FOUNDRY, "MPT-70B, full AC", MPT_70B, "h100-sxm", 64, 8, 2048, "full", 1039, None, (FOUNDRY_ATTENTION,), 4),
 ]
 # (label of the smaller run, label of the larger): runs that differ only in GPU count
 WEAK_SCALING = [("Llama-3.1-8B FSDP, 8 GPUs", "Llama-3.1-8B FSDP, 128 GPUs")]
@@ -95,7 +120,7 @@ def flops_of(hardware: str, flops: dict):
 
 def planned(run: Run) -> dict:
     sim = simulate(run.plan())
-    return {"tokens_per_s": run.micro_batch * run.seq / sim.step_s, "gib": sim.memory.peak / 2**30,
+    return {"tokens_per_s": run.tokens_per_step / sim.step_s, "gib": sim.memory.peak / 2**30,
             "step_s": sim.step_s, "compute_s": sim.compute_s, "comm_s": sim.comm_s,
             "exposed_comm_s": sim.step_s - sim.compute_s}
 
@@ -105,7 +130,7 @@ def row(run: Run) -> dict:
            "published_tokens_per_s": run.tokens_per_s, "published_gib": run.gib,
            "unmodelled": list(run.unmodelled), **planned(run)}
     out["ratio"] = out["tokens_per_s"] / run.tokens_per_s
-    out["published_step_s"] = run.micro_batch * run.seq / run.tokens_per_s
+    out["published_step_s"] = run.tokens_per_step / run.tokens_per_s
     out["bounds"] = {}
     for part, flops in FLOPS_BOUNDS.get(run.hardware, {}).items():
         with flops_of(run.hardware, flops):

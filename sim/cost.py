@@ -34,10 +34,15 @@ class Link:
     # scaled with the bytes; another group size adds or removes alpha per hop.
     op_seconds: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     measured_ranks: int = 2
+    # The fraction of the device's compute a collective on this link takes while it runs beside it
+    # (NCCL's kernels occupy SMs; more to drive NVLink than a NIC)
+    compute_share: float = 0.0
 
     def __post_init__(self) -> None:
         if self.alpha_s < 0 or min([self.bandwidth, *self.op_bandwidth.values()]) <= 0:
             raise ValueError(f"a link needs alpha >= 0 and bandwidths > 0, got {self}")
+        if not 0 <= self.compute_share < 1:
+            raise ValueError(f"a link's compute_share is a fraction in [0, 1), got {self.compute_share}")
         for op, points in self.op_seconds.items():
             sizes = [s for s, _ in points]
             if len(points) < 2 or sizes != sorted(set(sizes)) or min(t for _, t in points) < 0:
@@ -74,23 +79,48 @@ def collective_time(entry: LedgerEntry, link: Link) -> float:
     return link.time(entry.op, entry.ring_bytes_per_rank, entry.group_size)
 
 
-def exposed_comm_s(entries: list[LedgerEntry], events: Iterable[tuple[str, int, float]], links: dict[str, Link],
-                   compute_s: float) -> float:
-    """Seconds a step of `compute_s` of compute spends beyond it on its collectives, replayed from the planner's
-    schedule (Ledger.events: each launched, and first waited for, at a point of the compute). Each group's
+@dataclass(frozen=True)
+class Replay:
+    exposed_s: float  # the step's seconds beyond its compute spent on collectives
+    slowed_s: float   # the compute's own seconds lost to collectives running beside it
+
+
+def replay(entries: list[LedgerEntry], events: Iterable[tuple[str, int, float]], links: dict[str, Link],
+           compute_s: float) -> Replay:
+    """A step of `compute_s` of compute, replayed with its collectives from the planner's schedule
+    (Ledger.events: each launched, and first waited for, at a point of the compute). Each group's
     collectives run one at a time in launch order on their own stream, as a process group's do; a launch
     starts when the stream is free; a wait stalls the compute until the collective is done (a blocking one:
     for itself and whatever was queued ahead of it). What is still running when the compute ends (the last
-    reductions, the replicas' average after backward) is exposed too: nothing is left to hide it."""
-    stall, free, done = 0.0, {}, {}
+    reductions, the replicas' average after backward) is exposed too: nothing is left to hide it.
+
+    While a collective runs beside the compute it takes its link's `compute_share` of the device (SMs for
+    NCCL's kernels): the compute loses that share of the time they overlap. (Not fed back into the
+    schedule: the later launches are not moved by it.)"""
+    stall, free, done, spans, stalls = 0.0, {}, {}, [], []
     for kind, i, at in events:
         now, entry = at + stall, entries[i]
         if kind == "launch":
             start = max(now, free.get(entry.group, 0.0))
             done[i] = free[entry.group] = start + collective_time(entry, links[entry.group])
+            spans.append((start, done[i], links[entry.group].compute_share))
         elif done[i] > now:
+            stalls.append((now, done[i]))
             stall += done[i] - now
-    return stall + max(0.0, max(free.values(), default=0.0) - (compute_s + stall))
+    end = compute_s + stall
+    slowed = sum(share * (_overlap(a, b, 0.0, end) - sum(_overlap(a, b, *s) for s in stalls))
+                 for a, b, share in spans if share)
+    return Replay(stall + max(0.0, max(free.values(), default=0.0) - end), slowed)
+
+
+def _overlap(a: float, b: float, c: float, d: float) -> float:
+    return max(0.0, min(b, d) - max(a, c))
+
+
+def exposed_comm_s(entries: list[LedgerEntry], events: Iterable[tuple[str, int, float]], links: dict[str, Link],
+                   compute_s: float) -> float:
+    """Seconds a step of `compute_s` of compute spends beyond it on its collectives (`replay`)."""
+    return replay(entries, list(events), links, compute_s).exposed_s
 
 
 def ledger_time(entries: Iterable[LedgerEntry], link: Link | dict[str, Link]) -> float:

@@ -20,6 +20,7 @@ from importlib import resources
 from pathlib import Path
 
 from sim.cost import Link
+from sim.kernel_cost import KernelCosts
 from sim.kernel_memory import MatmulWorkspaces
 from sim.network import group_link
 from sim.profile_fields import FIELDS, LINK_FIELDS, REQUIRED, check_fields
@@ -62,6 +63,9 @@ class Profile:
     nics_per_node: int | None = None  # None: one network link between nodes (sim.network)
     # what each thread that runs matmuls keeps (sim.kernel_memory); a CPU keeps none
     matmul_workspace: MatmulWorkspaces = MatmulWorkspaces()
+    # each op priced by its class from published constants (sim.kernel_cost); None: one roofline for all,
+    # matmuls at `compute_efficiency` of peak (a CPU's figures, measured whole)
+    kernels: KernelCosts | None = None
 
     def link(self, size: int, stride: int = 1, world: int | None = None) -> Link:
         """The link a group of `size` ranks, `stride` apart in a world of `world` (default: the
@@ -197,7 +201,8 @@ def _profile(name: str, p: dict, where: str) -> Profile:
             raise bad(f"{side}: {e}") from None
     try:
         workspaces = _workspaces(p.get("matmul_workspace", {}))
-    except ValueError as e:
+        kernels = KernelCosts.from_json(p["kernels"]) if "kernels" in p else None
+    except (ValueError, TypeError) as e:
         raise bad(str(e)) from None
     return Profile(name=name, description=p["description"],
                    memory_bytes=int(p["memory_gib"] * 2**30), reserved_bytes=int(p["reserved_gib"] * 2**30),
@@ -209,7 +214,7 @@ def _profile(name: str, p: dict, where: str) -> Profile:
                    host_memory_bytes=int(p["host_memory_gib"] * 2**30),
                    host_link_bandwidth=p["host_link_bandwidth"], cpu_adamw_params_per_s=p["cpu_adamw_params_per_s"],
                    op_overhead_s=p.get("op_overhead_s", 0.0), overlap_hidden=p.get("overlap_hidden", 1.0),
-                   nics_per_node=p.get("nics_per_node"), matmul_workspace=workspaces)
+                   nics_per_node=p.get("nics_per_node"), matmul_workspace=workspaces, kernels=kernels)
 
 
 def _workspaces(raw: dict) -> MatmulWorkspaces:

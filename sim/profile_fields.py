@@ -9,14 +9,16 @@ FIELDS = {"description": "text", "memory_gib": "number", "reserved_gib": "number
           "intra_node": "link", "inter_node": "link", "attention": "text", "sources": "sources",
           "host_memory_gib": "number", "host_link_bandwidth": "number", "cpu_adamw_params_per_s": "number",
           "collective_staging": "numbers", "device_names": "texts", "op_overhead_s": "number",
-          "overlap_hidden": "number", "nics_per_node": "count", "matmul_workspace": "numbers"}
+          "overlap_hidden": "number", "nics_per_node": "count", "matmul_workspace": "numbers",
+          "kernels": "object"}
 OPTIONAL = ("collective_staging", "device_names", "op_overhead_s", "overlap_hidden", "nics_per_node",
-            "matmul_workspace")
+            "matmul_workspace", "kernels")
 REQUIRED = tuple(k for k in FIELDS if k not in OPTIONAL)
 LINK_FIELDS = {"alpha_s": "number", "bandwidth": "number", "op_bandwidth": "numbers", "op_seconds": "points",
-               "measured_ranks": "count"}
+               "measured_ranks": "count", "compute_share": "number"}
 _KIND_WORDS = {"number": "a number", "count": "a positive integer", "text": "a string", "texts": "a list of strings",
                "numbers": "an object of numbers", "sources": "an object of strings", "link": "an object",
+               "object": "an object",
                "points": "an object of lists of [bytes, seconds] pairs"}
 
 
@@ -49,4 +51,4 @@ def _is(kind: str, x) -> bool:
     if kind == "points":
         return isinstance(x, dict) and all(isinstance(pts, list) and all(
             isinstance(pt, list) and len(pt) == 2 and all(map(_number, pt)) for pt in pts) for pts in x.values())
-    return isinstance(x, dict)  # "link": its own fields are checked by _link
+    return isinstance(x, dict)  # "link", "object": their own fields are checked where they are read

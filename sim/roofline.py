@@ -6,6 +6,8 @@ inputs and outputs; views move nothing), and charges
 max(FLOPs / peak rate for the op's dtype, bytes / memory bandwidth), plus a fixed
 overhead per op (dispatch and autograd's bookkeeping, which dominate small ops on a CPU).
 The sum is the step's compute time on a device with those rates, if nothing overlaps.
+A GPU profile prices each op by its class instead (GEMM, attention, memory-bound, launch floor:
+sim.kernel_cost), from published constants.
 
 Work placed elsewhere (sim.placement: ZeRO-Offload's optimizer on the host, copies
 over the host link) is not device compute: it is timed apart, at the host's streaming
@@ -18,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from sim import placement
+from sim.kernel_cost import KernelCosts
 from sim.tensors import tensors as tensors_in
 
 _aten = torch.ops.aten
@@ -76,10 +79,16 @@ def _written_in_place(func, args) -> int:
 
 
 class Roofline(TorchDispatchMode):
+    """`flops_per_s`: the peak rate per dtype, reached at `compute_efficiency` of it; with `kernels`,
+    each op is priced by its class (sim.kernel_cost) and `compute_efficiency` applies only to ops that
+    are neither GEMMs nor attention."""
+
     def __init__(self, flops_per_s: dict[str, float], bytes_per_s: float, host_bytes_per_s: float = float("inf"),
-                 link_bytes_per_s: float = float("inf"), op_overhead_s: float = 0.0):
+                 link_bytes_per_s: float = float("inf"), op_overhead_s: float = 0.0, compute_efficiency: float = 1.0,
+                 kernels: KernelCosts | None = None):
         super().__init__()
         self.flops_per_s, self.bytes_per_s, self.op_overhead_s = flops_per_s, bytes_per_s, op_overhead_s
+        self.compute_efficiency, self.kernels = compute_efficiency, kernels
         self._elsewhere = {"host": host_bytes_per_s, "d2h": link_bytes_per_s, "h2d": link_bytes_per_s}
         self.flops = 0
         self.bytes = 0
@@ -102,5 +111,9 @@ class Roofline(TorchDispatchMode):
         rate = self.flops_per_s.get(DTYPE_NAMES.get(dtype, "fp32"), self.flops_per_s["fp32"])
         self.flops += flops
         self.bytes += moved
-        self.time_s += max(flops / rate, moved / self.bytes_per_s) + self.op_overhead_s
+        if self.kernels is not None:
+            self.time_s += self.kernels.op_seconds(func, args, kwargs, out, flops, moved, rate,
+                                                   self.compute_efficiency, self.bytes_per_s) + self.op_overhead_s
+        else:
+            self.time_s += max(flops / (rate * self.compute_efficiency), moved / self.bytes_per_s) + self.op_overhead_s
         return out

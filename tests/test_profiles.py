@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -71,7 +72,7 @@ def test_a_user_profile_overrides_the_shipped_one_by_name(user):
     h100, was = overlaid["h100-sxm"], shipped["h100-sxm"]
     assert h100.memory_bytes == 40 * 2**30 and h100.reserved_bytes == was.reserved_bytes
     assert h100.flops == {**was.flops, "bf16": 1e15}  # an object's keys update the shipped object's
-    assert h100.intra_node == Link(was.intra_node.alpha_s, 1e11) and h100.inter_node == was.inter_node
+    assert h100.intra_node == replace(was.intra_node, bandwidth=1e11) and h100.inter_node == was.inter_node
     assert h100.sources["memory_gib"] == "my card" and set(was.sources) <= set(h100.sources)
     gloo = overlaid["cpu-gloo"].link(2)
     assert gloo.op_seconds["all_gather"] == ((1024.0, 1e-3), (2.0**25, 0.5)) and gloo.bandwidth == 2e9

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from sim.attention import TargetAttention
-from sim.cost import exposed_comm_s, ledger_time
+from sim.cost import Replay, ledger_time, replay
 from sim.ledger import LedgerEntry
 from sim.memory import MemoryReport, MemoryTracker
 from sim.meta_cache import MetaKernelCache
@@ -37,6 +37,7 @@ class Simulation:
     offload_s: dict = field(default_factory=lambda: {"host": 0.0, "d2h": 0.0, "h2d": 0.0})  # optimizer offload
     timed: bool = True         # False: simulated for memory only (compute_s and flops are 0)
     exposed_comm_s: float = 0.0  # what of comm_s the compute cannot hide, by the step's schedule
+    comm_slowed_s: float = 0.0   # what the collectives running beside the compute take from it (their SMs)
 
     @property
     def step_s(self) -> float:
@@ -45,14 +46,15 @@ class Simulation:
           ends (`exposed_comm_s`, sim.cost.exposed_comm_s: blocking ones, a prefetch not finished by the
           block that needs it, the reductions after backward's last block); what runs behind compute costs
           1 - the profile's `overlap_hidden` of itself (0 on a GPU; on a CPU rank, whose one core runs
-          both, what was measured);
+          both, what was measured), and on a GPU its link's share of the compute while it runs
+          (`comm_slowed_s`: NCCL's kernels take SMs);
         - with optimizer offload, the gradients' copies to the host, hidden behind the compute at
           `overlap_hidden` of whichever is shorter, and the update on the host, while each unit's new
           weights go up to the device behind the next unit's update: the longer of the two.
         Recomputation needs no term: the roofline counts the recomputed forward's ops."""
         h, d2h = self.plan.profile.overlap_hidden, self.offload_s["d2h"]
         behind = max(0.0, self.comm_s - self.exposed_comm_s)
-        return (self.compute_s + self.exposed_comm_s + (1 - h) * behind + d2h - h * min(d2h, self.compute_s)
+        return (self.compute_s + self.exposed_comm_s + self.comm_slowed_s + (1 - h) * behind + d2h - h * min(d2h, self.compute_s)
                 + max(self.offload_s["host"], self.offload_s["h2d"]))
 
     @property
@@ -92,9 +94,10 @@ def simulate(plan: Plan, timeline: bool = False, timing: bool = True, kernel_cac
                                           link=links["secondary"])
         secondary.group_name = "secondary"
     tracker = MemoryTracker(keep_timeline=timeline, workspaces=profile.matmul_workspace)
-    roofline = Roofline({k: v * profile.compute_efficiency for k, v in profile.flops.items()},
-                        profile.memory_bandwidth, host_bytes_per_s=profile.cpu_adamw_params_per_s * ADAMW_BYTES_COUNTED,
-                        link_bytes_per_s=profile.host_link_bandwidth, op_overhead_s=profile.op_overhead_s)
+    roofline = Roofline(profile.flops, profile.memory_bandwidth,
+                        host_bytes_per_s=profile.cpu_adamw_params_per_s * ADAMW_BYTES_COUNTED,
+                        link_bytes_per_s=profile.host_link_bandwidth, op_overhead_s=profile.op_overhead_s,
+                        compute_efficiency=profile.compute_efficiency, kernels=profile.kernels)
     for group in (comm, replicas, secondary):  # each collective's launch and wait, at the compute's seconds
         if group is not None and timing:
             group.clock = lambda: roofline.time_s
@@ -107,10 +110,10 @@ def simulate(plan: Plan, timeline: bool = False, timing: bool = True, kernel_cac
     with MetaKernelCache() if kernel_cache else contextlib.nullcontext(), tracker, roofline if timing else contextlib.nullcontext(), TargetAttention(profile.attention):
         train_step(engine, [batch] * plan.grad_accum)
     ledger = list(comm.ledger)
+    schedule = replay(ledger, comm.ledger.events, links, roofline.time_s) if timing else Replay(0.0, 0.0)
     return Simulation(plan, engine.numel, tracker.report(), ledger, roofline.flops, roofline.time_s,
                       ledger_time(ledger, links), ledger_time([e for e in ledger if e.overlapped], links),
-                      dict(roofline.elsewhere_s), timing,
-                      exposed_comm_s(ledger, comm.ledger.events, links, roofline.time_s) if timing else 0.0)
+                      dict(roofline.elsewhere_s), timing, schedule.exposed_s, schedule.slowed_s)
 
 
 def _meta_batch(plan: Plan, model: nn.Module) -> tuple[torch.Tensor, ...] | dict[str, torch.Tensor]:
