@@ -122,7 +122,8 @@ def planned(run: Run) -> dict:
     sim = simulate(run.plan())
     return {"tokens_per_s": run.tokens_per_step / sim.step_s, "gib": sim.memory.peak / 2**30,
             "step_s": sim.step_s, "compute_s": sim.compute_s, "comm_s": sim.comm_s,
-            "exposed_comm_s": sim.step_s - sim.compute_s}
+            "exposed_comm_s": sim.exposed_comm_s, "comm_slowed_s": sim.comm_slowed_s,
+            "compute_by_bound": sim.compute_by_bound}
 
 
 def row(run: Run) -> dict:

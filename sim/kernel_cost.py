@@ -82,23 +82,24 @@ class KernelCosts:
         return next(e for at_least, e in self.memory_efficiency if nbytes >= at_least)
 
     def op_seconds(self, func, args, kwargs, out, flops: int, nbytes: int, peak: float, compute_efficiency: float,
-                   bandwidth: float) -> float:
-        """Seconds for one op on the device: `flops` as torch's formula counts them, `nbytes` read and
-        written, `peak` the dense FLOP/s of its dtype."""
+                   bandwidth: float) -> tuple[float, str]:
+        """Seconds for one op on the device, and what bounds them ("gemm", "attention", "compute", "memory",
+        "floor"): `flops` as torch's formula counts them, `nbytes` read and written, `peak` the dense FLOP/s of
+        its dtype."""
         packet = func._overloadpacket
         if packet in NO_KERNEL:
-            return 0.0
+            return 0.0, "none"
         memory_s = nbytes / (bandwidth * self.memory_fraction(nbytes)) if nbytes else 0.0
         if packet in GEMMS and flops:
             shape = out.shape
             batch, (m, n) = (shape[0] if len(shape) == 3 else 1), shape[-2:]
-            compute_s = flops / (peak * self.gemm_ceiling * self.wave_efficiency(batch, m, n))
+            compute_s, kind = flops / (peak * self.gemm_ceiling * self.wave_efficiency(batch, m, n)), "gemm"
         elif packet in ATTENTION_FORWARD or packet in ATTENTION_BACKWARD:
             efficiency = self.attention_forward if packet in ATTENTION_FORWARD else self.attention_backward
-            compute_s = flops * causal_fraction(func, args, kwargs) / (peak * efficiency)
+            compute_s, kind = flops * causal_fraction(func, args, kwargs) / (peak * efficiency), "attention"
         else:
-            compute_s = flops / (peak * compute_efficiency)
-        return max(compute_s, memory_s, self.floor_s)
+            compute_s, kind = flops / (peak * compute_efficiency), "compute"
+        return max((compute_s, kind), (memory_s, "memory"), (self.floor_s, "floor"))
 
 
 def _argument(func, args, kwargs, name: str, default=None):

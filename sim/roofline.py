@@ -93,6 +93,7 @@ class Roofline(TorchDispatchMode):
         self.flops = 0
         self.bytes = 0
         self.time_s = 0.0  # on the device
+        self.time_by_bound: dict[str, float] = {}  # of time_s, by what bounds each op (sim.kernel_cost; else "roofline")
         self.elsewhere_s = dict.fromkeys(self._elsewhere, 0.0)  # on the host, and each way over the link
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -112,8 +113,10 @@ class Roofline(TorchDispatchMode):
         self.flops += flops
         self.bytes += moved
         if self.kernels is not None:
-            self.time_s += self.kernels.op_seconds(func, args, kwargs, out, flops, moved, rate,
-                                                   self.compute_efficiency, self.bytes_per_s) + self.op_overhead_s
+            seconds, bound = self.kernels.op_seconds(func, args, kwargs, out, flops, moved, rate,
+                                                     self.compute_efficiency, self.bytes_per_s)
         else:
-            self.time_s += max(flops / (rate * self.compute_efficiency), moved / self.bytes_per_s) + self.op_overhead_s
+            seconds, bound = max(flops / (rate * self.compute_efficiency), moved / self.bytes_per_s), "roofline"
+        self.time_s += seconds + self.op_overhead_s
+        self.time_by_bound[bound] = self.time_by_bound.get(bound, 0.0) + seconds + self.op_overhead_s
         return out

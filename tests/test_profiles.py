@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from sim.cost import Link
 from sim.hardware import (PROFILES_ENV, get_profile, profiles, record_measured, shipped_path, use_profiles,
                           user_path)
 from train.cli import main as train_main

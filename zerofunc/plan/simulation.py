@@ -38,6 +38,7 @@ class Simulation:
     timed: bool = True         # False: simulated for memory only (compute_s and flops are 0)
     exposed_comm_s: float = 0.0  # what of comm_s the compute cannot hide, by the step's schedule
     comm_slowed_s: float = 0.0   # what the collectives running beside the compute take from it (their SMs)
+    compute_by_bound: dict = field(default_factory=dict)  # compute_s by what bounds each op (sim.kernel_cost)
 
     @property
     def step_s(self) -> float:
@@ -113,7 +114,8 @@ def simulate(plan: Plan, timeline: bool = False, timing: bool = True, kernel_cac
     schedule = replay(ledger, comm.ledger.events, links, roofline.time_s) if timing else Replay(0.0, 0.0)
     return Simulation(plan, engine.numel, tracker.report(), ledger, roofline.flops, roofline.time_s,
                       ledger_time(ledger, links), ledger_time([e for e in ledger if e.overlapped], links),
-                      dict(roofline.elsewhere_s), timing, schedule.exposed_s, schedule.slowed_s)
+                      dict(roofline.elsewhere_s), timing, schedule.exposed_s, schedule.slowed_s,
+                      dict(roofline.time_by_bound))
 
 
 def _meta_batch(plan: Plan, model: nn.Module) -> tuple[torch.Tensor, ...] | dict[str, torch.Tensor]:
