@@ -108,13 +108,22 @@ def replay(entries: list[LedgerEntry], events: Iterable[tuple[str, int, float]],
             stalls.append((now, done[i]))
             stall += done[i] - now
     end = compute_s + stall
-    slowed = sum(share * (_overlap(a, b, 0.0, end) - sum(_overlap(a, b, *s) for s in stalls))
-                 for a, b, share in spans if share)
+    stalled = _stalled_before(stalls)
+    slowed = sum(share * (max(0.0, min(b, end) - max(a, 0.0)) - (stalled(min(b, end)) - stalled(min(a, end))))
+                 for a, b, share in spans if share and a < end)
     return Replay(stall + max(0.0, max(free.values(), default=0.0) - end), slowed)
 
 
-def _overlap(a: float, b: float, c: float, d: float) -> float:
-    return max(0.0, min(b, d) - max(a, c))
+def _stalled_before(stalls: list[tuple[float, float]]):
+    """t -> the seconds of `stalls` (disjoint intervals in order) before t."""
+    starts, done = [a for a, _ in stalls], [0.0]
+    for a, b in stalls:
+        done.append(done[-1] + b - a)
+
+    def before(t: float) -> float:
+        i = bisect.bisect_right(starts, t)
+        return 0.0 if i == 0 else done[i - 1] + min(t, stalls[i - 1][1]) - stalls[i - 1][0]
+    return before
 
 
 def exposed_comm_s(entries: list[LedgerEntry], events: Iterable[tuple[str, int, float]], links: dict[str, Link],

@@ -71,7 +71,12 @@ class KernelCosts:
 
     def wave_efficiency(self, batch: int, m: int, n: int) -> float:
         """The fraction of the SMs' tile work that is useful, for `batch` outputs of m x n: tiles padded to
-        the tile size, and the last wave's idle SMs; the better orientation of the tile."""
+        the tile size, and the last wave's idle SMs; the better orientation of the tile. An output narrower
+        than the tile's short side (a LoRA adapter's rank-8 product) is not cut into these tiles: cuBLAS
+        runs it as a skinny kernel, bound by its bytes, so it is priced at the ceiling and its bytes decide."""
+        if min(m, n) < min(self.gemm_tile):
+            return 1.0
+
         def useful(tm: int, tn: int) -> float:
             tiles = batch * math.ceil(m / tm) * math.ceil(n / tn)
             return batch * m * n / (math.ceil(tiles / self.sms) * self.sms * tm * tn)

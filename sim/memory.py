@@ -33,6 +33,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
+import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -64,8 +65,26 @@ class MemoryReport:
         return sum(self.max_by_category[c] for c in ("params", "grads", "optimizer"))
 
 
+def report_of(labels: list[str], live: np.ndarray, timeline: bool = False) -> MemoryReport:
+    """The report a tracker (keep_samples) gives, from its samples alone: `live` has a row per sample, device
+    then host bytes per category. Each category's largest live value and the total's peak (the first moment
+    it is reached), from nothing live, on the device and the host."""
+    n = len(CATEGORIES)
+    if len(live) == 0:
+        live = np.zeros((1, 2 * n), dtype=np.int64)
+    device, host = live[:, :n], live[:, n:]
+    totals, host_totals = device.sum(axis=1), host.sum(axis=1)
+    first = int(np.argmax(totals))
+    at_peak = device[first].tolist() if totals[first] > 0 else [0] * n
+    return MemoryReport(dict(zip(CATEGORIES, np.maximum(device.max(axis=0), 0).tolist())), max(int(totals[first]), 0),
+                        dict(zip(CATEGORIES, at_peak)),
+                        list(zip(labels, map(tuple, device.tolist()), host_totals.tolist())) if timeline else [],
+                        dict(zip(CATEGORIES, np.maximum(host.max(axis=0), 0).tolist())), max(int(host_totals.max()), 0))
+
+
 class MemoryTracker(TorchDispatchMode):
-    def __init__(self, keep_timeline: bool = False, workspaces: MatmulWorkspaces = MatmulWorkspaces()):
+    def __init__(self, keep_timeline: bool = False, workspaces: MatmulWorkspaces = MatmulWorkspaces(),
+                 keep_samples: bool = False):
         super().__init__()
         self.workspaces = ThreadWorkspaces(workspaces)
         self.live = dict.fromkeys(CATEGORIES, 0)
@@ -77,6 +96,11 @@ class MemoryTracker(TorchDispatchMode):
         self.host_peak = 0
         self.keep_timeline = keep_timeline
         self.timeline: list[tuple[str, tuple[int, ...], int]] = []
+        # every change in full: its label, and device then host live bytes per category (report_of reads them,
+        # zerofunc.plan.folding extends them)
+        self.keep_samples = keep_samples
+        self.sample_labels: list[str] = []
+        self.samples: list[tuple[int, ...]] = []
         self._label = ""
         self._category = ["other"]
         self._storages: dict[int, list] = {}  # id(storage) -> [category, nbytes, weakref, host]
@@ -214,6 +238,9 @@ class MemoryTracker(TorchDispatchMode):
     def _sample(self) -> None:
         if self.keep_timeline:  # live's keys are CATEGORIES, in order
             self.timeline.append((self._label, tuple(self.live.values()), sum(self.host_live.values())))
+        if self.keep_samples:
+            self.sample_labels.append(self._label)
+            self.samples.append((*self.live.values(), *self.host_live.values()))
 
 
 class NoMemoryTracking:

@@ -93,7 +93,8 @@ class Roofline(TorchDispatchMode):
         self.flops = 0
         self.bytes = 0
         self.time_s = 0.0  # on the device
-        self.time_by_bound: dict[str, float] = {}  # of time_s, by what bounds each op (sim.kernel_cost; else "roofline")
+        # of time_s, by what bounds each op (sim.kernel_cost; else "roofline"), every bound named even at 0
+        self.time_by_bound = dict.fromkeys(("roofline", "gemm", "attention", "compute", "memory", "floor", "none"), 0.0)
         self.elsewhere_s = dict.fromkeys(self._elsewhere, 0.0)  # on the host, and each way over the link
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -118,5 +119,5 @@ class Roofline(TorchDispatchMode):
         else:
             seconds, bound = max(flops / (rate * self.compute_efficiency), moved / self.bytes_per_s), "roofline"
         self.time_s += seconds + self.op_overhead_s
-        self.time_by_bound[bound] = self.time_by_bound.get(bound, 0.0) + seconds + self.op_overhead_s
+        self.time_by_bound[bound] += seconds + self.op_overhead_s
         return out

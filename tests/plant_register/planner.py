@@ -125,6 +125,15 @@ PLANTS: list[Plant] = [
           "                 for a, b, share in spans if share)\n", "                 for a, b, share in spans if False)\n",
           "collectives running beside the compute cost it nothing, though NCCL's kernels take the SMs' share",
           "issue 33", ("tests/test_overlap.py::test_the_step_waits_for_what_it_waits_for_and_what_outlasts_its_compute",)),
+    Plant("folding_ignores_shapes", "zerofunc/plan/folding.py",
+          "         tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in m.named_parameters(recurse=False)),\n"
+          "         tuple((n, tuple(b.shape), b.dtype) for n, b in m.named_buffers(recurse=False)),\n"
+          "         tuple(sorted((k, v) for k, v in vars(m).items()\n"
+          "                      if not k.startswith(\"_\") and k not in INDEX_ATTRIBUTES and plain(v))))\n",
+          "         )\n",
+          "blocks of one class are reused as identical though one differs in shape: a run of 46 blocks is simulated "
+          "as 5 of the first shape",
+          "issue 33", ("tests/test_folding.py::test_a_step_folded_from_short_runs_is_the_whole_step",)),
     Plant("docs_broken_link", "README.md", "](docs/TESTS.md)", "](docs/TEST.md)",
           "a README link leads nowhere", "issue 23 note", ("tests/test_docs.py",)),
 ]

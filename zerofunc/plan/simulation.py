@@ -7,17 +7,20 @@ import inspect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
+import numpy as np
 import torch
 import torch.nn as nn
 
 from sim.attention import TargetAttention
-from sim.cost import Replay, ledger_time, replay
+from sim.cost import Link, Replay, ledger_time, replay
 from sim.ledger import LedgerEntry
-from sim.memory import MemoryReport, MemoryTracker
+from sim.memory import CATEGORIES, MemoryReport, MemoryTracker, report_of
 from sim.meta_cache import MetaKernelCache
 from sim.roofline import ADAMW_BYTES_COUNTED, Roofline
-from zerofunc.api import initialize
+from zerofunc.api import default_units, initialize
 from zerofunc.comm import RecordingCommunicator
+from zerofunc.plan.folding import Measured, shortened
+from zerofunc.plan.folding import fold as fold_runs
 from zerofunc.step import train_step
 
 if TYPE_CHECKING:
@@ -39,6 +42,7 @@ class Simulation:
     exposed_comm_s: float = 0.0  # what of comm_s the compute cannot hide, by the step's schedule
     comm_slowed_s: float = 0.0   # what the collectives running beside the compute take from it (their SMs)
     compute_by_bound: dict = field(default_factory=dict)  # compute_s by what bounds each op (sim.kernel_cost)
+    folded: bool = False         # runs of identical blocks simulated short and extended (zerofunc.plan.folding)
 
     @property
     def step_s(self) -> float:
@@ -67,34 +71,71 @@ class Simulation:
         return self.memory.peak <= capacity and (host_capacity is None or self.memory.host_peak <= host_capacity)
 
 
-def simulate(plan: Plan, timeline: bool = False, timing: bool = True, kernel_cache: bool = True) -> Simulation:
+def simulate(plan: Plan, timeline: bool = False, timing: bool = True, kernel_cache: bool = True,
+             fold: bool = True) -> Simulation:
     """Run one training step of `plan` on meta tensors and measure it.
 
     `timing=False` skips the roofline (compute time and FLOPs are then 0) for a
     simulation that only needs memory. `kernel_cache=False` runs every meta kernel
-    (sim.meta_cache; the result is the same, only slower).
+    (sim.meta_cache; the result is the same, only slower). `fold=False` simulates every block,
+    where the default simulates a run of identical blocks at three short lengths and extends it
+    (zerofunc.plan.folding; the result is the same, checked as it is made).
     """
-    profile = plan.profile
+    model = plan.build()
+    units = default_units(model)
+    measured = folded = None
+    if fold:
+        def at(lengths: list[int]) -> Measured:
+            return _measure(plan, shortened(model, units, lengths), timing, kernel_cache)
+        # a run is cut to what the step needs to reach its steady pattern: the blocks gathered ahead, and one
+        # period of layer-selective AC (one block in `every` recomputes)
+        period = plan.checkpointing.every if plan.checkpointing.mode == "selective" else 1
+        measured = folded = fold_runs(model, units, plan.prefetch_depth + period, at, period)
+    if measured is None:
+        measured = _measure(plan, model, timing, kernel_cache)
+    memory = report_of(measured.labels, measured.live, timeline)
+    links = _links(plan)
+    ledger, sums = measured.ledger, measured.sums
+    schedule = replay(ledger, measured.events, links, sums["compute_s"]) if timing else Replay(0.0, 0.0)
+    return Simulation(plan, measured.numel, memory, ledger, int(round(sums["flops"])), sums["compute_s"],
+                      ledger_time(ledger, links), ledger_time([e for e in ledger if e.overlapped], links),
+                      {k: sums[f"elsewhere:{k}"] for k in ("host", "d2h", "h2d")}, timing, schedule.exposed_s,
+                      schedule.slowed_s, {k.removeprefix("bound:"): v for k, v in sums.items() if k.startswith("bound:")},
+                      folded is not None)
+
+
+def _links(plan: Plan) -> dict[str, Link]:
+    """Each communicator's link by group name: the world, or under hybrid sharding the shard and replica
+    groups; hpZ's secondary group (sim.network: a group's link is that of the nodes it spans)."""
+    profile, n = plan.profile, plan.world_size
+    links = {"world": profile.link(n)}
+    if plan.hybrid_group is not None:  # shard groups of consecutive ranks; a replica group takes every s-th rank
+        s = plan.hybrid_group
+        links |= {"shard": profile.link(s, 1, n), "replicas": profile.link(n // s, s, n)}
+    if plan.hpz_group is not None:  # hpZ: k consecutive ranks inside the shard group
+        links["secondary"] = profile.link(plan.hpz_group, 1, n)
+    return links
+
+
+def _measure(plan: Plan, model: nn.Module, timing: bool, kernel_cache: bool) -> Measured:
+    """One step of `model` under `plan` on meta tensors, with the memory tracker, the roofline and the
+    recording communicators watching."""
+    profile, links = plan.profile, _links(plan)
     # each group's link also chooses its collectives, as the backend's rates do in a real run
-    links = {"world": profile.link(plan.world_size)}
-    replicas = None
+    replicas = secondary = None
     if plan.hybrid_group is None:
         comm = RecordingCommunicator(0, plan.world_size, staging=profile.collective_staging, link=links["world"])
-    else:  # shard groups of consecutive ranks; a replica group takes every s-th rank (sim.network)
-        s, n = plan.hybrid_group, plan.world_size
-        links |= {"shard": profile.link(s, 1, n), "replicas": profile.link(n // s, s, n)}
+    else:
+        s = plan.hybrid_group
         comm = RecordingCommunicator(0, s, staging=profile.collective_staging, link=links["shard"])
         replicas = RecordingCommunicator(0, plan.world_size // s, ledger=comm.ledger,
                                          staging=profile.collective_staging, link=links["replicas"])
         comm.group_name, replicas.group_name = "shard", "replicas"
-    secondary = None
-    if plan.hpz_group is not None:  # hpZ: k consecutive ranks inside the shard group
-        k = plan.hpz_group
-        links["secondary"] = profile.link(k, 1, plan.world_size)
-        secondary = RecordingCommunicator(0, k, ledger=comm.ledger, staging=profile.collective_staging,
+    if plan.hpz_group is not None:
+        secondary = RecordingCommunicator(0, plan.hpz_group, ledger=comm.ledger, staging=profile.collective_staging,
                                           link=links["secondary"])
         secondary.group_name = "secondary"
-    tracker = MemoryTracker(keep_timeline=timeline, workspaces=profile.matmul_workspace)
+    tracker = MemoryTracker(workspaces=profile.matmul_workspace, keep_samples=True)
     roofline = Roofline(profile.flops, profile.memory_bandwidth,
                         host_bytes_per_s=profile.cpu_adamw_params_per_s * ADAMW_BYTES_COUNTED,
                         link_bytes_per_s=profile.host_link_bandwidth, op_overhead_s=profile.op_overhead_s,
@@ -102,7 +143,6 @@ def simulate(plan: Plan, timeline: bool = False, timing: bool = True, kernel_cac
     for group in (comm, replicas, secondary):  # each collective's launch and wait, at the compute's seconds
         if group is not None and timing:
             group.clock = lambda: roofline.time_s
-    model = plan.build()
     # Built as the trainer builds it (fp16's loss scaler included), only on meta and without weights.
     engine = initialize(model, plan.zero_config(), device="meta", comm=comm, replicas=replicas, secondary=secondary,
                         memory=tracker, init=lambda name, shape: None, compile=False)
@@ -110,12 +150,11 @@ def simulate(plan: Plan, timeline: bool = False, timing: bool = True, kernel_cac
     # the kernel cache sits below the instruments: they see every op, each layer's meta kernels run once
     with MetaKernelCache() if kernel_cache else contextlib.nullcontext(), tracker, roofline if timing else contextlib.nullcontext(), TargetAttention(profile.attention):
         train_step(engine, [batch] * plan.grad_accum)
-    ledger = list(comm.ledger)
-    schedule = replay(ledger, comm.ledger.events, links, roofline.time_s) if timing else Replay(0.0, 0.0)
-    return Simulation(plan, engine.numel, tracker.report(), ledger, roofline.flops, roofline.time_s,
-                      ledger_time(ledger, links), ledger_time([e for e in ledger if e.overlapped], links),
-                      dict(roofline.elsewhere_s), timing, schedule.exposed_s, schedule.slowed_s,
-                      dict(roofline.time_by_bound))
+    sums = {"flops": float(roofline.flops), "compute_s": roofline.time_s,
+            **{f"elsewhere:{k}": v for k, v in roofline.elsewhere_s.items()},
+            **{f"bound:{k}": v for k, v in roofline.time_by_bound.items()}}
+    live = np.array(tracker.samples, dtype=np.int64).reshape(len(tracker.samples), 2 * len(CATEGORIES))
+    return Measured(engine.numel, tracker.sample_labels, live, list(comm.ledger), list(comm.ledger.events), sums)
 
 
 def _meta_batch(plan: Plan, model: nn.Module) -> tuple[torch.Tensor, ...] | dict[str, torch.Tensor]:

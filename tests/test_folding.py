@@ -1,0 +1,85 @@
+"""Identical blocks simulated once (zerofunc.plan.folding): a step folded from short runs is the whole step's,
+the memory and the collectives to the byte, the times within rounding."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from zerofunc.plan import Plan, simulate
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, hidden: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, hidden)
+        self.down = nn.Linear(hidden, width, bias=False)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class Mixed(nn.Module):
+    """23 blocks of one shape, one of another (a wider hidden layer), 22 of the first again: three runs."""
+
+    def __init__(self, vocab: int = 96, width: int = 24):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList([Block(width, 40) for _ in range(23)] + [Block(width, 72)]
+                                    + [Block(width, 40) for _ in range(22)])
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, idx, targets):
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+def mixed() -> nn.Module:
+    return Mixed()
+
+
+def _same(whole, folded):
+    assert folded.folded and not whole.folded
+    assert folded.memory == whole.memory  # every category's maximum, the peak and what made it, to the byte
+    assert folded.ledger == whole.ledger and folded.numel == whole.numel and folded.flops == whole.flops
+    # seconds: the same sums added in another order, ~1e-16 of the total each
+    for a, b in ((folded.compute_s, whole.compute_s), (folded.step_s, whole.step_s),
+                 (folded.exposed_comm_s, whole.exposed_comm_s), *zip(folded.offload_s.values(), whole.offload_s.values())):
+        assert a == pytest.approx(b, rel=1e-12, abs=1e-15)
+
+
+@pytest.mark.parametrize("stage, levers", [
+    (0, {}), (1, {"activation_checkpointing": "full"}), (2, {"offload_optimizer": True}),
+    (3, {}), (3, {"activation_checkpointing": "selective", "ac_every": 2}), (3, {"shard_group": 2, "hpz": None}),
+    (3, {"activation_checkpointing": "selective-op", "grad_accum": 2}),
+])
+@pytest.mark.parametrize("hardware", ["h100-sxm", "cpu-gloo"])
+def test_a_step_folded_from_short_runs_is_the_whole_step(stage, levers, hardware):
+    """The blocks here are tiny: with the default bucket (25 MB) every reduction of a step would still be in
+    flight at its end, where it is waited for, as a real model's are not (a Llama block's gradients fill a
+    bucket each); a one-byte bucket waits for each block's reductions as a real model does."""
+    plan = Plan(world_size=4, stage=stage, model=mixed, seq=12, micro_batch=3, hardware=hardware, bucket_bytes=1,
+                **levers)
+    _same(simulate(plan, fold=False, timeline=True), simulate(plan, timeline=True))
+
+
+def test_a_step_that_does_not_fold_is_simulated_whole():
+    """The tiny blocks with the default bucket: the waits at the step's end refer further back with each block,
+    which the fold does not extend; the check refuses it and the step is simulated whole."""
+    plan = Plan(world_size=4, stage=3, model=mixed, seq=12, micro_batch=3, hardware="h100-sxm")
+    folded, whole = simulate(plan), simulate(plan, fold=False)
+    assert not folded.folded and folded.memory == whole.memory and folded.ledger == whole.ledger
+
+
+def test_llama_70b_is_folded_to_the_byte():
+    plan = Plan(world_size=64, stage=3, model="llama3-70b", seq=4096, hardware="h100-sxm")
+    _same(simulate(plan, fold=False), simulate(plan))
+
+
+def test_runs_too_short_to_gain_are_simulated_whole():
+    plan = Plan(world_size=2, stage=3, model="gpt2-tiny", seq=64)
+    assert not simulate(plan).folded
