@@ -3,7 +3,6 @@ the memory and the collectives to the byte, the times within rounding."""
 from __future__ import annotations
 
 import pytest
-import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -24,11 +23,10 @@ class Block(nn.Module):
 class Mixed(nn.Module):
     """23 blocks of one shape, one of another (a wider hidden layer), 22 of the first again: three runs."""
 
-    def __init__(self, vocab: int = 96, width: int = 24):
+    def __init__(self, vocab: int = 96, width: int = 24, runs: tuple[int, ...] = (23, 1, 22)):
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
-        self.blocks = nn.ModuleList([Block(width, 40) for _ in range(23)] + [Block(width, 72)]
-                                    + [Block(width, 40) for _ in range(22)])
+        self.blocks = nn.ModuleList(Block(width, 72 if i % 2 else 40) for i, n in enumerate(runs) for _ in range(n))
         self.head = nn.Linear(width, vocab, bias=False)
 
     def forward(self, idx, targets):
@@ -73,6 +71,19 @@ def test_a_step_that_does_not_fold_is_simulated_whole():
     plan = Plan(world_size=4, stage=3, model=mixed, seq=12, micro_batch=3, hardware="h100-sxm")
     folded, whole = simulate(plan), simulate(plan, fold=False)
     assert not folded.folded and folded.memory == whole.memory and folded.ledger == whole.ledger
+
+
+@pytest.mark.parametrize("timing", [False, True])
+def test_a_run_is_cut_past_the_blocks_whose_reductions_stay_in_flight(timing):
+    """A 16 KiB bucket holds about four of these blocks' gradients (2,008 parameters, bf16): the first blocks'
+    reductions are never waited for in the step's middle, and only from the fifth on does a block add a
+    wait. Cut to fewer blocks, the short runs show no waits and a memory that only grows, and the fold
+    (checked on its own short runs) would extend that to the whole run."""
+    plan = Plan(world_size=4, stage=3, model=lambda: Mixed(runs=(40,)), seq=12, micro_batch=3, hardware="h100-sxm",
+                bucket_bytes=16384)
+    whole, folded = simulate(plan, fold=False, timeline=True, timing=timing), simulate(plan, timeline=True,
+                                                                                        timing=timing)
+    _same(whole, folded)
 
 
 def test_llama_70b_is_folded_to_the_byte():

@@ -134,6 +134,12 @@ PLANTS: list[Plant] = [
           "blocks of one class are reused as identical though one differs in shape: a run of 46 blocks is simulated "
           "as 5 of the first shape",
           "issue 33", ("tests/test_folding.py::test_a_step_folded_from_short_runs_is_the_whole_step",)),
+    Plant("folding_cut_inside_the_in_flight_transient", "zerofunc/plan/simulation.py",
+          "        keep = plan.prefetch_depth + in_flight(model, units, plan.bucket_bytes) + period\n",
+          "        keep = plan.prefetch_depth + period\n",
+          "runs are cut to fewer blocks than the reductions kept in flight: the short runs never wait, and the "
+          "fold extends a memory that only grows (a 70B LoRA plan's offload row: 52.30 GB planned for 51.83)",
+          "issue 33", ("tests/test_folding.py::test_a_run_is_cut_past_the_blocks_whose_reductions_stay_in_flight",)),
     Plant("docs_broken_link", "README.md", "](docs/TESTS.md)", "](docs/TEST.md)",
           "a README link leads nowhere", "issue 23 note", ("tests/test_docs.py",)),
 ]

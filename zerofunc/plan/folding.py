@@ -92,6 +92,18 @@ def stack(model: nn.Module, units: list[str]) -> Optional[tuple[nn.Module, str, 
     return parent, attr, blocks
 
 
+def in_flight(model: nn.Module, units: list[str], bucket_bytes: int) -> int:
+    """How many blocks' collectives the step keeps in flight before it waits for the oldest, at most (the
+    engine's queues of reductions, and of stages 1-2's new weights, hold up to `bucket_bytes`). Until that
+    many blocks the step waits for nothing, and only after them does one block more add one wait: a run
+    cut shorter would show the first pattern and be extended as if it held. A block's collectives are
+    counted at 2 bytes per trained parameter, the least they can be, so the count errs high."""
+    located = stack(model, units)
+    trained = [sum(p.numel() for p in block.parameters() if p.requires_grad) for block in located[2]] if located else []
+    smallest = min((t for t in trained if t), default=0)
+    return bucket_bytes // (2 * smallest) + 1 if smallest else 0
+
+
 def shortened(model: nn.Module, units: list[str], lengths: list[int]) -> nn.Module:
     """A copy of `model` with each run of its block stack cut to `lengths` (its first blocks kept); the model
     itself is left as it was. (A copy, not a new build: a 70B model on meta builds in 40 ms, its copy cut to

@@ -19,7 +19,7 @@ from sim.meta_cache import MetaKernelCache
 from sim.roofline import ADAMW_BYTES_COUNTED, Roofline
 from zerofunc.api import default_units, initialize
 from zerofunc.comm import RecordingCommunicator
-from zerofunc.plan.folding import Measured, shortened
+from zerofunc.plan.folding import Measured, in_flight, shortened
 from zerofunc.plan.folding import fold as fold_runs
 from zerofunc.step import train_step
 
@@ -87,10 +87,11 @@ def simulate(plan: Plan, timeline: bool = False, timing: bool = True, kernel_cac
     if fold:
         def at(lengths: list[int]) -> Measured:
             return _measure(plan, shortened(model, units, lengths), timing, kernel_cache)
-        # a run is cut to what the step needs to reach its steady pattern: the blocks gathered ahead, and one
-        # period of layer-selective AC (one block in `every` recomputes)
+        # a run is cut to what the step needs to reach its steady pattern: the blocks gathered ahead, those whose
+        # collectives stay in flight, and one period of layer-selective AC (one block in `every` recomputes)
         period = plan.checkpointing.every if plan.checkpointing.mode == "selective" else 1
-        measured = folded = fold_runs(model, units, plan.prefetch_depth + period, at, period)
+        keep = plan.prefetch_depth + in_flight(model, units, plan.bucket_bytes) + period
+        measured = folded = fold_runs(model, units, keep, at, period)
     if measured is None:
         measured = _measure(plan, model, timing, kernel_cache)
     memory = report_of(measured.labels, measured.live, timeline)
