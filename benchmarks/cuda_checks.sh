@@ -100,7 +100,8 @@ torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory)
           done ;;
     snapshot) for cell in "0 1" "3 64"; do set -- $cell
            run "snapshot-s$1-w$2" $PY benchmarks/cuda_memory_snapshot.py --model gpt2-small --stage "$1" --world-size "$2"; done ;;
-    constants) run constants $PY benchmarks/op_constants.py --json-out "$OUT/op-constants.json" ;;
+    constants) run constants $PY benchmarks/op_constants.py --json-out "$OUT/op-constants.json" \
+                 --profiles-out "$OUT/measured-profiles.json" ;;
     adamw) run adamw-fp32 $PY benchmarks/fused_adamw.py
            run adamw-bf16 $PY benchmarks/fused_adamw.py --grad-dtype bf16 ;;
     *) echo "unknown part $1"; failed=$((failed + 1)) ;;

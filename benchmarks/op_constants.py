@@ -2,6 +2,7 @@
 compute per op class needs, beside the published figures of sim/profiles.json.
 
     python benchmarks/op_constants.py [--device cuda|cpu] [--model llama3-8b] [--tokens T] [--json-out FILE]
+                                      [--profiles-out FILE]
 
 - GEMM: bf16 matmuls of the shapes one block of `--model` runs at T tokens (each projection's forward
   x @ W^T, its input gradient and its weight gradient), and square references (2048^3, 4096^3, 8192^3,
@@ -12,6 +13,12 @@ compute per op class needs, beside the published figures of sim/profiles.json.
 - Memory-bound: a device-to-device copy of 1 GiB (read and written), as a fraction of the profile's HBM
   bandwidth.
 - The kernel floor: the device time of a 1-element add, one of 2,000 launched back to back.
+
+`--profiles-out FILE` records them as the device's profile's measured `kernels` in a user profiles file
+(sim.hardware.record_measured; plan with it: `--profiles FILE`, or `python benchmarks/published.py --profiles
+FILE`): the GEMM ceiling that, through the planner's tile and wave model, gives the median of the block's
+measured GEMMs; attention forward and backward as measured; the copy's fraction of HBM for transfers of
+100 MB and more (the smaller sizes' published fractions scaled by it); the kernel floor as measured.
 
 Medians of CUDA-event timings after warm-up; on `--device cpu` the same code with wall-clock timings and
 small shapes, to check the script, not the CPU. Each GPU's peak comes from the profile naming it
@@ -31,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from sim.hardware import profile_for_device  # noqa: E402
+from sim.hardware import profile_for_device, record_measured  # noqa: E402
 from zerofunc.check.calibrate import cuda_median_s  # noqa: E402
 from zerofunc.models import model_config  # noqa: E402
 
@@ -68,6 +75,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="llama3-8b")
     ap.add_argument("--tokens", type=int, default=None, help="tokens per micro-batch (default: 8192 on CUDA, 64 on CPU)")
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--profiles-out", default=None, help="record the measured kernels into this profiles file")
     a = ap.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda, and torch sees no GPU", file=sys.stderr)
@@ -127,7 +135,33 @@ def main(argv=None) -> int:
           f"kernel floor: {rows['kernel_floor_s'] * 1e6:.2f} us")
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(rows, indent=1))
+    if a.profiles_out:
+        if profile is None or profile.kernels is None:
+            print("error: --profiles-out needs a GPU whose profile prices ops by class", file=sys.stderr)
+            return 2
+        kernels = measured_kernels(rows, profile)
+        path = record_measured(profile.name, {"kernels": kernels},
+                               f"benchmarks/op_constants.py on {name}, torch {torch.__version__}, {a.model} at "
+                               f"{tokens} tokens: GEMM ceiling from the block's GEMMs through the tile/wave model, "
+                               f"flash attention forward/backward, a 1 GiB copy, 2,000 back-to-back launches",
+                               Path(a.profiles_out))
+        print(f"recorded {profile.name}'s measured kernels in {path}: {json.dumps(kernels)}")
     return 0
+
+
+def measured_kernels(rows: dict, profile) -> dict:
+    """The profile's `kernels` with what was measured: the ceiling that makes the planner's price of each of the
+    block's GEMMs (ceiling x its wave efficiency) meet the median of their measured rates."""
+    k = profile.kernels
+    block = [g for g in rows["gemm"] if not g["name"].startswith("ref")]
+    ceiling = statistics.median(g["fraction_of_peak"] / k.wave_efficiency(1, g["m"], g["n"]) for g in block)
+    copy = rows["copy"]["fraction_of_hbm"]
+    top = k.memory_efficiency[0][1]
+    return {"gemm_ceiling": min(ceiling, 1.0),
+            "attention_forward": min(rows["attention"]["forward_fraction_of_peak"], 1.0),
+            "attention_backward": min(rows["attention"]["backward_fraction_of_peak"], 1.0),
+            "memory_efficiency": [[size, min(1.0, e * copy / top)] for size, e in k.memory_efficiency],
+            "floor_s": rows["kernel_floor_s"]}
 
 
 if __name__ == "__main__":

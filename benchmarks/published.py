@@ -25,7 +25,7 @@ from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sim.hardware import PROFILES_ENV  # noqa: E402
+from sim.hardware import PROFILES_ENV, use_profiles  # noqa: E402
 from zerofunc.models.gpt2 import GPTConfig  # noqa: E402
 from zerofunc.models.llama import LlamaConfig  # noqa: E402
 from zerofunc.plan import Plan, simulate  # noqa: E402
@@ -108,9 +108,10 @@ WEAK_SCALING = [("Llama-3.1-8B FSDP, 8 GPUs", "Llama-3.1-8B FSDP, 128 GPUs")]
 def flops_of(hardware: str, flops: dict):
     """Plan on `hardware` with its peak FLOP/s replaced: a user profiles file of one field, for now."""
     was = os.environ.get(PROFILES_ENV)
+    mine = json.loads(Path(was).read_text()) if was and Path(was).is_file() else {}  # a measured profile stays
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "profiles.json"
-        path.write_text(json.dumps({hardware: {"flops": flops}}))
+        path.write_text(json.dumps({**mine, hardware: {**mine.get(hardware, {}), "flops": flops}}))
         os.environ[PROFILES_ENV] = str(path)
         try:
             yield
@@ -164,7 +165,12 @@ def print_table(rows: list[dict]) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print the rows as JSON instead")
+    ap.add_argument("--profiles", default=None,
+                    help="plan with this profiles file's figures over the shipped ones (a measured profile, e.g. "
+                         "from benchmarks/op_constants.py --profiles-out)")
     args = ap.parse_args(argv)
+    if args.profiles:
+        use_profiles(args.profiles)
     rows = [row(run) for run in RUNS]
     if args.json:
         print(json.dumps(rows, indent=2))

@@ -113,3 +113,27 @@ def test_a_users_file_overrides_one_constant_and_keeps_the_rest(tmp_path, monkey
     kernels = get_profile("a100-sxm").kernels
     assert kernels.gemm_ceiling == 0.7 and kernels.sms == shipped["sms"] != 0
     assert kernels.attention_backward == shipped["attention_backward"]
+
+
+def test_op_constants_records_the_ceiling_that_reproduces_the_measured_gemms(tmp_path):
+    """benchmarks/op_constants.py's measured profile: GEMMs measured at 0.7 of peak times each shape's wave
+    efficiency give back a ceiling of 0.7 (the planner then prices each at what was measured); attention and
+    the floor as measured; a copy at 0.81 of HBM scales the published 0.9 for 100 MB and more to 0.81."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "op_constants.py"
+    spec = importlib.util.spec_from_file_location("op_constants", path)
+    module = sys.modules["op_constants"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    profile = get_profile("h100-sxm")
+    shapes = [(8192, 4096), (8192, 1024), (4096, 4096), (14336, 4096), (8192, 14336)]
+    rows = {"gemm": [{"name": f"g{i}", "m": m, "n": n, "fraction_of_peak": 0.7 * profile.kernels.wave_efficiency(
+                1, m, n)} for i, (m, n) in enumerate(shapes)] + [{"name": "ref 8192^3", "m": 8192, "n": 8192,
+                                                                   "fraction_of_peak": 0.99}],
+            "attention": {"forward_fraction_of_peak": 0.3, "backward_fraction_of_peak": 0.25},
+            "copy": {"fraction_of_hbm": 0.81}, "kernel_floor_s": 4e-6}
+    kernels = module.measured_kernels(rows, profile)
+    assert kernels["gemm_ceiling"] == pytest.approx(0.7)
+    assert (kernels["attention_forward"], kernels["attention_backward"], kernels["floor_s"]) == (0.3, 0.25, 4e-6)
+    assert kernels["memory_efficiency"][0] == [100e6, pytest.approx(0.81)]
