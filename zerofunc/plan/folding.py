@@ -101,7 +101,7 @@ def in_flight(model: nn.Module, units: list[str], bucket_bytes: int) -> int:
     located = stack(model, units)
     trained = [sum(p.numel() for p in block.parameters() if p.requires_grad) for block in located[2]] if located else []
     smallest = min((t for t in trained if t), default=0)
-    return bucket_bytes // (2 * smallest) + 1 if smallest else 0
+    return bucket_bytes // (2 * smallest) if smallest else 0
 
 
 def shortened(model: nn.Module, units: list[str], lengths: list[int]) -> nn.Module:
