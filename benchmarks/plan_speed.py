@@ -5,7 +5,8 @@ Plans every stage at world size 1024, each with its largest micro-batch found, f
 gpt2-xl, llama3-70b and llama3.1-405b (seq 4096, where nothing fits and one simulation
 per stage answers, and seq 1024, where stage 3 fits and its largest micro-batch takes
 a second), and `--world-size auto` for llama3-70b, alone and with `--shard-group auto` at its own
-context (issue 25's bound: under 30 s on this 2-core machine). Prints the median wall time of each command and the planner's
+context (issue 25's bound: under 30 s on this 2-core machine; issue 33's: that under 30 s, and a fixed-size
+70B plan, the 70B commands at 1024, under 10 s). Prints the median wall time of each command and the planner's
 table once. `--quick` runs each command once.
 """
 from __future__ import annotations

@@ -203,10 +203,13 @@ def shard_group_candidates(world_size: int, per_node: int) -> list[int]:
     return [s for s in range(per_node, world_size + 1, per_node) if world_size % s == 0]
 
 
-# How far the planner's tokens/s has been shown to miss a run's: its largest miss on the published H100 runs
-# (torchtitan's Llama-3.1-8B on 8 H100s: 5,243 tokens/s per GPU planned, 5,762 published, 9.9%;
-# benchmarks/published.py, 2026-11-27). A shard group that is not a node's or the world's is chosen only
-# where it wins by more than this. (The A100 rows miss by up to 33%: issue 33's per-op-class compute.)
+# How far the planner's tokens/s has been shown to miss a run's, set from its largest miss on the published
+# H100 runs when compute was one fraction of peak (torchtitan's Llama-3.1-8B on 8 H100s: 5,243 tokens/s per
+# GPU planned, 5,762 published, 9.9%; benchmarks/published.py, 2026-11-27). A shard group that is not a
+# node's or the world's is chosen only where it wins by more than this. With compute priced per op class the
+# published rows are planned 9-41% fast (docs/BENCHMARKS.md), a bias of the compute that every shard group of
+# one plan shares; what sets one group apart, its communication, has not been held to a published run. Not
+# re-derived since.
 PLANNER_ERROR = 0.10
 
 
