@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -68,11 +69,12 @@ class Run:
     gib: Optional[float] = None
     unmodelled: tuple[str, ...] = field(default=())  # what the run did that the planner does not model
     grad_accum: int = 1
+    reduce_dtype: Optional[str] = None  # gradients reduced in it (None: bf16, as the weights)
 
     def plan(self) -> Plan:
         return Plan(world_size=self.gpus, stage=3, model=self.model, precision="bf16", micro_batch=self.micro_batch,
                     grad_accum=self.grad_accum, seq=self.seq, hardware=self.hardware,
-                    activation_checkpointing=self.checkpointing)
+                    activation_checkpointing=self.checkpointing, reduce_dtype=self.reduce_dtype)
 
     @property
     def tokens_per_step(self) -> int:  # per GPU
@@ -81,6 +83,10 @@ class Run:
 
 FOUNDRY_ATTENTION = ("llm-foundry runs its own FlashAttention (attn_impl flash), zerofunc's GPT PyTorch's SDPA "
                      "flash kernel: the same FLOPs, both priced at the profile's flash efficiency")
+# torchtitan reduced gradients in fp32: its config of the time offered `--training.mixed_precision_reduce`
+# float32 only (torchtitan/config_manager.py, choices=["float32"]); set 2026-11-27, after the rows had been
+# planned with bf16 reductions (a run's configuration, not a profile's constant: the table says both)
+TITAN_REDUCE = "fp32"
 RUNS = [
     Run(TITAN_H100, "Llama-3.1-8B FSDP, 8 GPUs", "llama3-8b", "h100-sxm-96gb-500w", 8, 2, 8192, "selective-op",
         5762, 82.4),
@@ -100,6 +106,8 @@ RUNS = [
     Run(FOUNDRY, "MPT-70B, full AC", MPT_70B, "a100-sxm", 64, 8, 2048, "full", 410, None, (FOUNDRY_ATTENTION,), 4),
     Run(FOUNDRY, "MPT-70B, full AC", MPT_70B, "h100-sxm", 64, 8, 2048, "full", 1039, None, (FOUNDRY_ATTENTION,), 4),
 ]
+RUNS = [dataclasses.replace(r, reduce_dtype=TITAN_REDUCE) if r.source in (TITAN_H100, TITAN_A100) else r
+        for r in RUNS]
 # (label of the smaller run, label of the larger): runs that differ only in GPU count
 WEAK_SCALING = [("Llama-3.1-8B FSDP, 8 GPUs", "Llama-3.1-8B FSDP, 128 GPUs")]
 
