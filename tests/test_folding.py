@@ -94,3 +94,20 @@ def test_llama_70b_is_folded_to_the_byte():
 def test_runs_too_short_to_gain_are_simulated_whole():
     plan = Plan(world_size=2, stage=3, model="gpt2-tiny", seq=64)
     assert not simulate(plan).folded
+
+
+def hf_llama():
+    import torch
+    import transformers
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=24,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    with torch.device("meta"):
+        return transformers.LlamaForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_hugging_face_model_folds_to_the_byte(stage):
+    """Hugging Face's Llama slices its layers by its config's count, and numbers them (`layer_idx`): a copy cut
+    short still runs, and its blocks count as identical."""
+    plan = Plan(world_size=4, stage=stage, model=hf_llama, seq=64, micro_batch=2, hardware="h100-sxm", bucket_bytes=1)
+    _same(simulate(plan, fold=False), simulate(plan))
