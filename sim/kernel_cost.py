@@ -25,16 +25,22 @@ from dataclasses import dataclass
 import torch
 
 _aten = torch.ops.aten
-GEMMS = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten._addmm_activation}
-ATTENTION_FORWARD = {_aten._scaled_dot_product_flash_attention, _aten._scaled_dot_product_efficient_attention,
-                     _aten._scaled_dot_product_flash_attention_for_cpu, _aten._scaled_dot_product_cudnn_attention}
-ATTENTION_BACKWARD = {_aten._scaled_dot_product_flash_attention_backward,
-                      _aten._scaled_dot_product_efficient_attention_backward,
-                      _aten._scaled_dot_product_flash_attention_for_cpu_backward,
-                      _aten._scaled_dot_product_cudnn_attention_backward}
+
+
+def _ops(*names: str) -> frozenset:
+    """The aten ops of these names that this torch has (the oldest supported, 2.11, has them all today)."""
+    return frozenset(getattr(_aten, n) for n in names if hasattr(_aten, n))
+
+
+GEMMS = _ops("mm", "addmm", "bmm", "baddbmm", "_addmm_activation")
+ATTENTION_FORWARD = _ops("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                         "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention")
+ATTENTION_BACKWARD = _ops("_scaled_dot_product_flash_attention_backward",
+                          "_scaled_dot_product_efficient_attention_backward",
+                          "_scaled_dot_product_flash_attention_for_cpu_backward",
+                          "_scaled_dot_product_cudnn_attention_backward")
 # ops that allocate or rebind storage and launch no kernel
-NO_KERNEL = {_aten.empty, _aten.empty_strided, _aten.empty_like, _aten.new_empty, _aten.new_empty_strided,
-             _aten.resize_, _aten.set_}
+NO_KERNEL = _ops("empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "resize_", "set_")
 FIELDS = ("gemm_ceiling", "sms", "gemm_tile", "attention_forward", "attention_backward", "memory_efficiency",
           "floor_s")
 
