@@ -19,8 +19,9 @@ from sim.meta_cache import MetaKernelCache
 from sim.roofline import ADAMW_BYTES_COUNTED, Roofline
 from zerofunc.api import default_units, initialize
 from zerofunc.comm import RecordingCommunicator
-from zerofunc.plan.folding import Measured, in_flight, shortened
+from zerofunc.plan.folding import in_flight, shortened
 from zerofunc.plan.folding import fold as fold_runs
+from zerofunc.plan.growth import Measured
 from zerofunc.step import train_step
 
 if TYPE_CHECKING:
