@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from sim.memory import MemoryTracker
+from zerofunc.check.calibrate import wall_median_s
 from zerofunc.comm import DistCommunicator
 from zerofunc.engine import ZeroEngine
 from zerofunc.fused import adamw_reference_
@@ -38,17 +39,6 @@ from zerofunc.stages import STAGES
 from zerofunc.step import train_step
 
 MiB = 2**20
-
-
-def median_s(fn, iters: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def adamw_rates(n: int, iters: int) -> None:
@@ -82,7 +72,7 @@ def adamw_rates(n: int, iters: int) -> None:
 
     print(f"AdamW on one flat fp32 shard of {n:,} elements, CPU, {torch.get_num_threads()} threads, median of {iters}")
     print(f"{'variant':<48} {'ms':>8} {'GB/s':>7} {'Mparam/s':>9} {'vs torch fused':>15}")
-    rows = [(name, median_s(make(), iters)) for name, make in (
+    rows = [(name, wall_median_s(make(), 2, iters)) for name, make in (
         ("zerofunc offloaded update (_fused_adamw_)", ours), ("torch.optim.AdamW(fused=True)", theirs),
         ("zerofunc adamw_reference_ (eager, 7 passes)", reference))]
     torch_s = rows[1][1]
@@ -140,9 +130,9 @@ def head_costs(model_name: str, micro_batch: int, seq: int, iters: int) -> None:
         heads[recompute] = LinearCrossEntropy()
         heads[recompute].recompute = recompute
     rows = [("F.cross_entropy(F.linear(h, w).float(), t)",
-             median_s(lambda: F.cross_entropy(F.linear(h, w).float(), t).backward(), iters)),
-            ("LinearCrossEntropy, keeping its gradient", median_s(lambda: heads[False](h, w, t).backward(), iters)),
-            ("LinearCrossEntropy, recomputing", median_s(lambda: heads[True](h, w, t).backward(), iters))]
+             wall_median_s(lambda: F.cross_entropy(F.linear(h, w).float(), t).backward(), 2, iters)),
+            ("LinearCrossEntropy, keeping its gradient", wall_median_s(lambda: heads[False](h, w, t).backward(), 2, iters)),
+            ("LinearCrossEntropy, recomputing", wall_median_s(lambda: heads[True](h, w, t).backward(), 2, iters))]
     print(f"\n{model_name}'s output head alone, fp32, {micro_batch * seq} tokens, forward + backward, median of {iters}")
     print(f"{'head':<48} {'ms':>8} {'vs torch':>9}")
     for name, s in rows:

@@ -30,7 +30,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -39,23 +38,13 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from sim.hardware import profile_for_device, record_measured  # noqa: E402
-from zerofunc.check.calibrate import cuda_median_s  # noqa: E402
+from zerofunc.check.calibrate import cuda_median_s, wall_median_s  # noqa: E402
 from zerofunc.models import model_config  # noqa: E402
 
 
 def timed(fn, device: str, reps: int = 20, warmup: int = 3) -> float:
-    """Median seconds of `fn()` over `reps` runs: by CUDA events (zerofunc.check's calibration's timer), or on a
-    CPU by the wall clock."""
-    if device == "cuda":
-        return cuda_median_s(fn, warmup, reps)
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """Median seconds of `fn()` over `reps` runs: by CUDA events, or on a CPU by the wall clock."""
+    return (cuda_median_s if device == "cuda" else wall_median_s)(fn, warmup, reps)
 
 
 def gemm_shapes(cfg, tokens: int) -> list[tuple[str, int, int, int]]:

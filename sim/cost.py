@@ -126,12 +126,6 @@ def _stalled_before(stalls: list[tuple[float, float]]):
     return before
 
 
-def exposed_comm_s(entries: list[LedgerEntry], events: Iterable[tuple[str, int, float]], links: dict[str, Link],
-                   compute_s: float) -> float:
-    """Seconds a step of `compute_s` of compute spends beyond it on its collectives (`replay`)."""
-    return replay(entries, list(events), links, compute_s).exposed_s
-
-
 def ledger_time(entries: Iterable[LedgerEntry], link: Link | dict[str, Link]) -> float:
     """Seconds of the entries' collectives, each on its group's link (`link`: one for all, or by group name)."""
     return sum(collective_time(e, link if isinstance(link, Link) else link[e.group]) for e in entries)

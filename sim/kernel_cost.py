@@ -41,6 +41,9 @@ ATTENTION_BACKWARD = _ops("_scaled_dot_product_flash_attention_backward",
                           "_scaled_dot_product_cudnn_attention_backward")
 # ops that allocate or rebind storage and launch no kernel
 NO_KERNEL = _ops("empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "resize_", "set_")
+# what bounds an op's time: its class's compute, its bytes, or the launch floor; "none": no kernel;
+# "roofline": a profile without kernel costs (one roofline for every op)
+BOUNDS = ("roofline", "gemm", "attention", "compute", "memory", "floor", "none")
 FIELDS = ("gemm_ceiling", "sms", "gemm_tile", "attention_forward", "attention_backward", "memory_efficiency",
           "floor_s")
 

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from sim import placement
-from sim.kernel_cost import KernelCosts
+from sim.kernel_cost import BOUNDS, KernelCosts
 from sim.tensors import tensors as tensors_in
 
 _aten = torch.ops.aten
@@ -94,7 +94,7 @@ class Roofline(TorchDispatchMode):
         self.bytes = 0
         self.time_s = 0.0  # on the device
         # of time_s, by what bounds each op (sim.kernel_cost; else "roofline"), every bound named even at 0
-        self.time_by_bound = dict.fromkeys(("roofline", "gemm", "attention", "compute", "memory", "floor", "none"), 0.0)
+        self.time_by_bound = dict.fromkeys(BOUNDS, 0.0)
         self.elsewhere_s = dict.fromkeys(self._elsewhere, 0.0)  # on the host, and each way over the link
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

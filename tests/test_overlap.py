@@ -101,14 +101,14 @@ def test_overlap_changes_when_bytes_move_not_which():
 
 
 def test_the_step_waits_for_what_it_waits_for_and_what_outlasts_its_compute():
-    """sim.cost.exposed_comm_s on a schedule worked by hand: collectives of 1, 2, 1 and 4 s on one group's
+    """sim.cost.replay on a schedule worked by hand: collectives of 1, 2, 1 and 4 s on one group's
     stream (an all-reduce of S bytes over 2 ranks takes S / bandwidth with no latency), a step of 5 s of
     compute. A (0-1 s) is done before its wait at 3 s: nothing. B (launched at 3) runs 3-5; C, blocking,
     launched at 3.5, queues behind B and runs 5-6: the compute stalls 2.5 s. D, launched at compute second
     4 (wall 6.5, the stream free since 6), runs 6.5-10.5 and is never waited for: the compute ends at
     5 + 2.5 = 7.5, so 3 s of D are exposed. 5.5 s in all; the old model (blocking time, plus what of the
     asynchronous time outlasts the whole compute) would say 1 s."""
-    from sim.cost import Link, Replay, exposed_comm_s
+    from sim.cost import Link, Replay, replay
     from sim.ledger import LedgerEntry
 
     links = {"world": Link(0.0, 1.0)}
@@ -116,11 +116,10 @@ def test_the_step_waits_for_what_it_waits_for_and_what_outlasts_its_compute():
                   ((1, True), (2, True), (1, False), (4, True)))
     events = [("launch", 0, 0.0), ("wait", 0, 3.0), ("launch", 1, 3.0), ("launch", 2, 3.5), ("wait", 2, 3.5),
               ("launch", 3, 4.0)]
-    assert exposed_comm_s([a, b, c, d], events, links, compute_s=5.0) == pytest.approx(5.5)
+    assert replay([a, b, c, d], events, links, compute_s=5.0).exposed_s == pytest.approx(5.5)
     # On a link whose collectives take 10% of the compute while they run beside it: A overlaps compute 1 s,
     # B 0.5 s (3-3.5; from 3.5 the compute is stalled), C none (it runs inside the stall), D 1 s (6.5-7.5,
     # until the compute ends): 2.5 s at 0.1.
-    from sim.cost import replay
     shared = {"world": Link(0.0, 1.0, compute_share=0.1)}
     assert replay([a, b, c, d], events, shared, compute_s=5.0) == Replay(pytest.approx(5.5), pytest.approx(0.25))
     # a communicator with the planner's clock records that schedule: each launch, and its first wait only

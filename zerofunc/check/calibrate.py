@@ -9,6 +9,7 @@ device does. Each figure is the median of timed repetitions, by CUDA events.
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Callable
 
 import torch
@@ -30,6 +31,18 @@ def cuda_median_s(fn: Callable[[], None], warmup: int = 3, iters: int = 20) -> f
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def wall_median_s(fn: Callable[[], None], warmup: int = 3, iters: int = 20) -> float:
+    """Median seconds of one call of `fn`, by the wall clock (on a CPU, where a call ends when it returns)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 

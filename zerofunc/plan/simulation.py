@@ -49,7 +49,7 @@ class Simulation:
     def step_s(self) -> float:
         """Compute plus what it cannot hide, as the trainer overlaps it:
         - the collectives the step waits for before they are done, and those still running when its compute
-          ends (`exposed_comm_s`, sim.cost.exposed_comm_s: blocking ones, a prefetch not finished by the
+          ends (`exposed_comm_s`, sim.cost.replay: blocking ones, a prefetch not finished by the
           block that needs it, the reductions after backward's last block); what runs behind compute costs
           1 - the profile's `overlap_hidden` of itself (0 on a GPU; on a CPU rank, whose one core runs
           both, what was measured), and on a GPU its link's share of the compute while it runs
