@@ -37,10 +37,12 @@ def test_a_gemm_runs_at_the_ceiling_times_its_waves():
     assert two_waves == pytest.approx(2 * 2816 * 1280 * k / (PEAK * 0.8 * (2816 * 1280 / (200 * 256 * 128))))
     padded = seconds(torch.mm, (2561, k), (k, 1280))
     assert padded == pytest.approx(2 * 2560 * 1280 * k / (PEAK * 0.8 * (2560 * 1280 / (200 * 256 * 128))), rel=1e-3)
-    # an output narrower than a tile (a rank-8 adapter's) runs as a skinny kernel, bound by its bytes: reading
-    # the 16384 x 4096 input and the 4096 x 8 adapter, writing 16384 x 8, at 0.9 of the bandwidth
-    m, k, r = 16384, 4096, 8
-    assert seconds(torch.mm, (m, k), (k, r)) == pytest.approx(2 * (m * k + k * r + m * r) / (BANDWIDTH * 0.9))
+    # an output narrower than a tile (a rank-8 fp32 adapter's) runs as a skinny kernel, bound by its bytes:
+    # reading the 25600 x 4096 input and the 4096 x 8 adapter, writing 25600 x 8, at 0.9 of the bandwidth
+    # (233 us; cut into 100 tiles of 256 x 128 of which 8 columns are used, its FLOPs would take 537 us)
+    m, k, r = 25600, 4096, 8
+    assert seconds(torch.mm, (m, k), (k, r), dtype=torch.float32) == pytest.approx(
+        4 * (m * k + k * r + m * r) / (BANDWIDTH * 0.9))
     # a batched matmul tiles each of its outputs: 4 x 50 tiles, two full waves
     k = 8192
     assert seconds(torch.bmm, (4, 1280, k), (4, k, 1280)) == pytest.approx(2 * 4 * 1280 * 1280 * k / (PEAK * 0.8))

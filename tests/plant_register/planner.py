@@ -141,6 +141,26 @@ PLANTS: list[Plant] = [
           "runs are cut to fewer blocks than the reductions kept in flight: the short runs never wait, and the "
           "fold extends a memory that only grows (a 70B LoRA plan's offload row: 52.30 GB planned for 51.83)",
           "issue 33", ("tests/test_folding.py::test_a_run_is_cut_past_the_blocks_whose_reductions_stay_in_flight",)),
+    Plant("mpt_without_learned_positions", "benchmarks/published.py",
+          "MPT_7B = GPTConfig(n_layer=32, n_head=32, n_embd=4096, vocab_size=50368, block_size=2048)",
+          "MPT_7B = GPTConfig(n_layer=32, n_head=32, n_embd=4096, vocab_size=50368, block_size=1)",
+          "the MPT-7B planned against llm-foundry's row has no learned positions to speak of (ALiBi's parameter "
+          "count): not the model that was run",
+          "issue 33", ("tests/test_published.py::test_the_mpt_models_have_llm_foundrys_parameter_counts",)),
+    Plant("skinny_gemm_cut_into_tiles", "sim/kernel_cost.py",
+          "        if min(m, n) < min(self.gemm_tile):\n", "        if False:\n",
+          "a rank-8 adapter's product is cut into 256 x 128 tiles, 16x its work, and LoRA is planned slower than "
+          "it runs", "issue 33", ("tests/test_kernel_cost.py::test_a_gemm_runs_at_the_ceiling_times_its_waves",)),
+    Plant("measured_ceiling_not_through_the_waves", "benchmarks/op_constants.py",
+          '    ceiling = statistics.median(g["fraction_of_peak"] / k.wave_efficiency(1, g["m"], g["n"]) for g in block)',
+          '    ceiling = statistics.median(g["fraction_of_peak"] for g in block)',
+          "the measured GEMM ceiling is the GEMMs' rate itself, so the planner, which multiplies it by each "
+          "shape's wave efficiency again, prices them below what was measured",
+          "issue 33", ("tests/test_kernel_cost.py::test_op_constants_records_the_ceiling_that_reproduces_the_measured_gemms",)),
+    Plant("memory_report_from_the_last_sample", "sim/memory.py",
+          "np.maximum(device.max(axis=0), 0)", "np.maximum(device[-1], 0)",
+          "each category is reported at what is live when the step ends, not at its largest",
+          "issue 33", ("tests/test_plan.py::test_simulated_step_is_the_executed_step",)),
     Plant("docs_broken_link", "README.md", "](docs/TESTS.md)", "](docs/TEST.md)",
           "a README link leads nowhere", "issue 23 note", ("tests/test_docs.py",)),
 ]
