@@ -293,7 +293,12 @@ class Tape(TorchFunctionMode):
         imports, segment.imports = segment.imports, []
         if not outputs:
             return [None] * len(weights)
-        got = torch.autograd.grad(outputs, [i.leaf for i in imports] + list(weights), grads, allow_unused=True)
+        # On the calling thread: by default autograd hands a CUDA graph to the device's worker thread and
+        # waits for it, a round trip per call, and this is one call a segment, not one a step (on a GPU,
+        # a launch-bound step was 0.64x the one-graph engine's: docs/CUDA.md, fifth run). On a CPU
+        # graph it runs on the calling thread either way.
+        with torch.autograd.set_multithreading_enabled(False):
+            got = torch.autograd.grad(outputs, [i.leaf for i in imports] + list(weights), grads, allow_unused=True)
         for i, g in zip(imports, got):
             if g is not None:
                 self._hand_on(i.edge, i.made, g)
