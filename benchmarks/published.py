@@ -9,7 +9,8 @@ are in sim/profiles.json), and these runs are the test of them. Where a figure o
 is only known between bounds (the 500 W H100's peak), the row is also planned at each bound.
 
 Every run is FSDP (ZeRO stage 3) in bf16 with AdamW; "published GiB" is the memory the run logged
-(torchtitan: the allocator's peak reserved), against the planner's peak of live tensors.
+(torchtitan: the allocator's peak reserved), against the planner's peak of live tensors. Where
+transformers is installed, torchtitan's rows are also planned with its loss (whole fp32 logits).
 """
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ from typing import Optional
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sim.hardware import PROFILES_ENV, use_profiles  # noqa: E402
+from zerofunc.models import model_config  # noqa: E402
 from zerofunc.models.gpt2 import GPTConfig  # noqa: E402
+from zerofunc.models.hf_config import hf_config_dict  # noqa: E402
 from zerofunc.models.llama import LlamaConfig  # noqa: E402
 from zerofunc.plan import Plan, simulate  # noqa: E402
 
@@ -135,12 +138,31 @@ def planned(run: Run) -> dict:
             "compute_by_bound": sim.compute_by_bound}
 
 
+def full_logits_gib(run: Run) -> Optional[float]:
+    """The run's planned peak (GiB) with torchtitan's loss: the whole micro-batch's logits, their
+    cross-entropy taken in fp32 (`cross_entropy(pred.flatten(0, 1).float(), ...)`), where zerofunc's models
+    compute it chunk by chunk (zerofunc/lm_head.py). Planned on Hugging Face's LlamaForCausalLM of the
+    same shape, whose loss is computed so; None without transformers (an optional extra)."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return None
+    config = transformers.AutoConfig.for_model(**hf_config_dict(model_config(run.model)))
+
+    def build():
+        with torch.device("meta"):
+            return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    return planned(dataclasses.replace(run, model=build))["gib"]
+
+
 def row(run: Run) -> dict:
     out = {"source": run.source, "run": run.label, "hardware": run.hardware, "gpus": run.gpus,
            "published_tokens_per_s": run.tokens_per_s, "published_gib": run.gib,
            "unmodelled": list(run.unmodelled), **planned(run)}
     out["ratio"] = out["tokens_per_s"] / run.tokens_per_s
     out["published_step_s"] = run.tokens_per_step / run.tokens_per_s
+    out["gib_full_logits"] = full_logits_gib(run) if run.gib and run.source == TITAN_H100 else None
     out["bounds"] = {}
     for part, flops in FLOPS_BOUNDS.get(run.hardware, {}).items():
         with flops_of(run.hardware, flops):
@@ -165,6 +187,10 @@ def print_table(rows: list[dict]) -> None:
         a, b = (next(r for r in rows if r["run"] == label) for label in (small, large))
         print(f"weak scaling {a['gpus']} -> {b['gpus']} GPUs: planned {b['tokens_per_s'] / a['tokens_per_s']:.1%}, "
               f"published {b['published_tokens_per_s'] / a['published_tokens_per_s']:.1%}")
+    for r in rows:
+        if r["gib_full_logits"] is not None:
+            print(f"memory, {r['run']}, with torchtitan's loss (the micro-batch's logits whole, in fp32; planned on "
+                  f"Hugging Face's LlamaForCausalLM): {r['gib_full_logits']:.1f} GiB, published {r['published_gib']:.1f}")
     unmodelled = sorted({u for r in rows for u in r["unmodelled"]})
     for u in unmodelled:
         print(f"not modelled: {u}")

@@ -16,26 +16,28 @@ from tests.steps import check_steps, ignore_some, record_step
 transformers = pytest.importorskip("transformers")
 
 
-def hf_model(family: str):
+def hf_model(family: str, attention: str = "sdpa"):
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     if family == "gpt2":
         return GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=3, n_embd=27, vocab_size=53, n_positions=32,
                                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
-                                          eos_token_id=0))
+                                          eos_token_id=0, attn_implementation=attention))
     return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=30, intermediate_size=41,
                                         num_attention_heads=3, num_key_value_heads=1, vocab_size=53,
-                                        max_position_embeddings=32, bos_token_id=0, eos_token_id=0))
+                                        max_position_embeddings=32, bos_token_id=0, eos_token_id=0,
+                                        attn_implementation=attention))
 
 
-def hf_four_lines(stage: int, family: str):
+def hf_four_lines(stage: int, family: str, checkpointing: str = "none", attention: str = "sdpa"):
     import zerofunc
 
     torch.manual_seed(0)
-    model = hf_model(family)
-    reference = copy.deepcopy(model)
+    model = hf_model(family, attention)
+    reference = copy.deepcopy(model)  # trained without checkpointing: the same gradients, bit for bit
+    ac = {"activation_checkpointing": {"mode": checkpointing}} if checkpointing != "none" else {}
     engine = zerofunc.initialize(model, {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
-                                         "zero_optimization": {"stage": stage},
+                                         "zero_optimization": {"stage": stage}, **ac,
                                          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95],
                                                                                    "eps": 1e-5, "weight_decay": 0.1}}})
     rank, world = engine.comm.rank, engine.comm.world_size
@@ -46,13 +48,13 @@ def hf_four_lines(stage: int, family: str):
         labels = ignore_some(ids, gen) if i != 1 else torch.full_like(ids, -100)  # step 2 counts no label
         everyone = [{"input_ids": ids[j:j + 1], "labels": labels[j:j + 1]} for j in range(2 * world)]
         steps.append(record_step(engine, everyone[rank::world], everyone))  # micro-step j of rank r: j*N + r
-    check_steps(reference, steps, f"{family} stage {stage}")
+    check_steps(reference, steps, f"{family} stage {stage} checkpointing {checkpointing}")
     assert steps[1].loss == 0.0, f"{family} stage {stage}: a global batch of no counted label lost {steps[1].loss}"
     return [u.name for u in engine.units]
 
 
-def stages_0_and_3(family: str):
-    return [hf_four_lines(stage, family) for stage in (0, 3)]
+def stages_0_and_3(family: str, checkpointing: str = "none", attention: str = "sdpa"):
+    return [hf_four_lines(stage, family, checkpointing, attention) for stage in (0, 3)]
 
 
 def both_families() -> dict:
@@ -77,3 +79,14 @@ def test_hugging_face_models_train_like_one_device(request, family, blocks, rank
     for rank_results in results:
         for stage, units in zip((0, 3), rank_results):  # each step one device's within fp32 rounding
             assert units == ["", f"{blocks}.0", f"{blocks}.1"], f"stage {stage}"
+
+
+@pytest.mark.parametrize("checkpointing", ["full", "selective-op"])
+@pytest.mark.parametrize("family, attention", [("gpt2", "eager"), ("llama", "sdpa")])
+def test_hugging_face_models_checkpointed_train_like_one_device(family, attention, checkpointing):
+    """Checkpointed Hugging Face layers, against the model trained without checkpointing. Their forward
+    appends its keys and values to the model's cache: run again in backward against it, a layer would attend
+    to them twice (GPT-2's eager attention: other gradients), or run ops its forward did not (SDPA's, under
+    selective-op: torch refuses). The engine passes a checkpointed layer no cache, as Hugging Face does."""
+    for stage, units in zip((0, 3), in_world(1, stages_0_and_3, family, checkpointing, attention)[0]):
+        assert len(units) == 3, f"stage {stage}: {units}"

@@ -108,6 +108,7 @@ def checkpointed(forward: Callable, in_forward: Callable[[], bool], recompute: C
     """
     @functools.wraps(forward)
     def wrapper(*args, **kwargs):
+        args, kwargs = _without_cache(args, kwargs)
         meta = any(isinstance(a, torch.Tensor) and a.device.type == "meta" for a in (*args, *kwargs.values()))
         modes = _get_current_function_mode_stack()
 
@@ -126,6 +127,26 @@ def checkpointed(forward: Callable, in_forward: Callable[[], bool], recompute: C
         selective = {"context_fn": _keep_attention_and_every_second_matmul} if keep_ops else {}
         return checkpoint(run_block, *args, use_reentrant=False, preserve_rng_state=not meta, **selective, **kwargs)
     return wrapper
+
+
+def _without_cache(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A checkpointed block's arguments with no key/value cache (a Hugging Face layer's, by keyword or, as
+    GPT-2 passes it, by position): a cache is state the block's forward changes, appending its keys and
+    values, so the block run again in backward would find them there and attend to them twice (or, under
+    selective-op, run ops its forward did not, which torch refuses), and every layer's keys and values
+    would stay referenced until the forward ends. Hugging Face's own checkpointing passes its layers no
+    cache, for these reasons. Only a Hugging Face cache object is taken out: a block's other arguments,
+    whatever their names, are its own."""
+    if not any(map(_is_hf_cache, (*args, *kwargs.values()))):
+        return args, kwargs
+    args = tuple(None if _is_hf_cache(a) else a for a in args)
+    kwargs = {k: None if _is_hf_cache(v) else v for k, v in kwargs.items()}
+    return args, {**kwargs, "use_cache": False} if "use_cache" in kwargs else kwargs
+
+
+def _is_hf_cache(value) -> bool:
+    kind = type(value)
+    return kind.__module__.startswith("transformers.") and kind.__name__.endswith("Cache")
 
 
 @contextlib.contextmanager

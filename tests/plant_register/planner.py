@@ -108,6 +108,11 @@ PLANTS: list[Plant] = [
           "stage 3 regathers a recomputed block's weights under selective checkpointing's dispatch mode, which "
           "replays only the block's own ops: backward fails on the gather's first op",
           "issue 33", ("tests/test_levers.py::test_each_lever_is_planned_as_it_trains",)),
+    Plant("checkpointed_layer_keeps_its_cache", "zerofunc/recompute.py",
+          "        args, kwargs = _without_cache(args, kwargs)\n", "",
+          "a checkpointed Hugging Face layer keeps the model's key/value cache: run again in backward it finds "
+          "its own keys there and attends to them twice, or (selective-op) runs ops its forward did not",
+          "issue 33", ("tests/test_hf.py::test_hugging_face_models_checkpointed_train_like_one_device",)),
     Plant("shard_group_auto_ignores_the_planner_error", "zerofunc/plan/search.py",
           "    if margin > PLANNER_ERROR:\n", "    if margin > 0:\n",
           "--shard-group auto takes any group that plans more tokens/s than a node or the world, however small "
