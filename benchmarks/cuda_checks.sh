@@ -18,7 +18,9 @@
 #   ab                                    (on demand, its own call, about 8 minutes for 13 of its 16 runs on an H200, 2026-11-27: AB_STEPS=20 for all; OLD_TREE=DIR: an older commit's trainer beside this one,
 #                                          gpt2-small stages 0 and 3, compiled blocks and eager, in turn, twice)
 #   overhead                              (on demand, about 1 minute a tree: the default job's step, eager, stages 0 and 3,
-#                                          timed and profiled by cProfile; with OLD_TREE, that tree's first)
+#                                          timed and profiled by cProfile; with OLD_TREE, that tree's first; this
+#                                          tree's also compiled; --thread-ab: the tape's autograd on the calling
+#                                          thread against the device's worker thread, in turn)
 #   lora                                  (on demand, about 2 minutes: --lora 8 at stages 0 and 3, 1 GPU)
 #   snapshot                              (on demand: the allocator's blocks at two cells' peaks)
 #   constants                             (on demand, under a minute expected: issue 33's per-op-class constants,
@@ -90,8 +92,10 @@ torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory)
     overhead) for tree in ${OLD_TREE:+"$OLD_TREE"} .; do  # where the launch-bound step's host time goes, per tree
           name=overhead-$([ "$tree" = . ] && echo new || echo old)
           run "$name" bash -c "cd '$tree' && PYTHONPATH=. $PY '$PWD/benchmarks/step_overhead.py' --device cuda \
-            --precision bf16 --width 768 --tokens 8x128 --top 30"
-        done ;;
+            --precision bf16 --width 768 --tokens 8x128 --top 30 --thread-ab"
+        done
+        run overhead-new-compile $PY benchmarks/step_overhead.py --device cuda --precision bf16 --width 768 \
+          --tokens 8x128 --compile --thread-ab ;;
     lora) for stage in 0 3; do  # LoRA r=8 on a frozen bf16 base (issue 32), compiled blocks, 1 GPU
             run lora-s$stage $PY -m train --model gpt2-small --nproc 1 --precision bf16 --steps 50 --stage $stage \
               --lora 8 --out "$OUT/lora-s$stage"

@@ -7,6 +7,8 @@ work runs at the host's pace (docs/CUDA.md), which is what this counts.
     cd OLD && PYTHONPATH=. python /path/to/benchmarks/step_overhead.py     # another commit's engine
     ... --device cuda --precision bf16 --width 768 --tokens 8x128 --top 25  # the default job's step on a GPU,
                                                                            # and where its host time goes
+    ... --thread-ab                                                        # the tape's autograd on the calling
+                                                                           # thread against the device's, in turn
 
 One gloo rank, a 12-block GPT of width 64 (the blocks' count is what a step's host work grows with),
 one micro-batch of 32 tokens, fp32, after 3 steps (the flags change each). On CUDA the step is timed to a
@@ -36,7 +38,7 @@ class _CountOps(TorchDispatchMode):
 
 
 def one_rank(stage: int, compile: bool, device: str, precision: str, width: int, tokens: tuple[int, int],
-             top: int) -> tuple[int, int, float, str]:
+             top: int, thread_ab: bool = False) -> tuple[int, int, float, str, str]:
     from zerofunc.comm import DistCommunicator
     from zerofunc.engine import ZeroEngine
     from zerofunc.models import GPT, GPTConfig
@@ -73,10 +75,37 @@ def one_rank(stage: int, compile: bool, device: str, precision: str, width: int,
         train_step(engine, batch)
         sync()
         times.append(time.perf_counter() - t0)
+    threads = _thread_ab(lambda: train_step(engine, batch), sync) if thread_ab else ""
     stats = pstats.Stats(profile, stream=io.StringIO())
     if top:
         stats.sort_stats("tottime").print_stats(top)
-    return counting.ops, stats.total_calls, sorted(times)[len(times) // 2] * 1e3, stats.stream.getvalue() if top else ""
+    return (counting.ops, stats.total_calls, sorted(times)[len(times) // 2] * 1e3, threads,
+            stats.stream.getvalue() if top else "")
+
+
+def _thread_ab(step, sync, rounds: int = 4, steps: int = 10) -> str:
+    """The step's median time with the tape differentiating on the calling thread and on autograd's device
+    worker thread (torch's default for CUDA graphs), in turn in one process: what the tape's choice saves.
+    A tree without the choice (an older engine) says so."""
+    from zerofunc import engine as engine_module  # the tape the engine differentiates with, if it has one
+    tape = getattr(engine_module, "Tape", None)
+    if not hasattr(tape, "worker_thread"):
+        return "no choice of thread in this tree"
+    times = {False: [], True: []}
+    try:
+        for _ in range(rounds):
+            for worker in (False, True):
+                tape.worker_thread = worker
+                for _ in range(steps):
+                    sync()
+                    t0 = time.perf_counter()
+                    step()
+                    sync()
+                    times[worker].append(time.perf_counter() - t0)
+    finally:
+        tape.worker_thread = False
+    calling, worker = (sorted(t)[len(t) // 2] * 1e3 for t in (times[False], times[True]))
+    return f"calling thread {calling:.1f} ms, worker thread {worker:.1f} ms (medians of {rounds} x {steps} steps each, in turn)"
 
 
 def main() -> None:
@@ -87,15 +116,20 @@ def main() -> None:
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--width", type=int, default=64, help="n_embd of the 12 blocks (768: gpt2-small's, with its vocabulary)")
     p.add_argument("--tokens", default="1x32", help="micro-batch, sequences x tokens (the default job's: 8x128)")
+    p.add_argument("--thread-ab", action="store_true",
+                   help="also time the step with the tape differentiating on the calling thread (this tree's) and "
+                        "on autograd's device thread (torch's default), in turn")
     p.add_argument("--top", type=int, default=0, help="also print the step's N costliest functions by own time (cProfile)")
     a = p.parse_args()
     from tests.bare import in_world
     tokens = tuple(int(n) for n in a.tokens.split("x"))
     print(f"{'stage':>5} {'compile':>7} {'aten ops':>9} {'Python calls':>12} {'median ms':>9}")
     for stage in (int(s) for s in a.stages.split(",")):
-        ops, calls, ms, profile = in_world(1, one_rank, stage, a.compile, a.device, a.precision, a.width, tokens, a.top,
-                                           backend="nccl" if a.device == "cuda" else "gloo")[0]
-        print(f"{stage:>5} {str(a.compile):>7} {ops:>9,} {calls:>12,} {ms:>9.1f}", flush=True)
+        ops, calls, ms, threads, profile = in_world(1, one_rank, stage, a.compile, a.device, a.precision, a.width,
+                                                    tokens, a.top, a.thread_ab,
+                                                    backend="nccl" if a.device == "cuda" else "gloo")[0]
+        print(f"{stage:>5} {str(a.compile):>7} {ops:>9,} {calls:>12,} {ms:>9.1f}{'  ' + threads if threads else ''}",
+              flush=True)
         if profile:
             print(profile, flush=True)
 

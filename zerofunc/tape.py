@@ -101,6 +101,9 @@ class Tape(TorchFunctionMode):
     """Records one forward as segments (see the module's docstring); differentiates them one at a time."""
 
     _ids = itertools.count()
+    # Differentiate on autograd's device worker thread (torch's default for CUDA graphs) instead of the
+    # calling thread (see `grad`): for benchmarks/step_overhead.py, which times the step both ways.
+    worker_thread = False
 
     def __init__(self, on_plain_backward: Optional[Callable[[torch.Tensor], None]] = None) -> None:
         """`on_plain_backward(leaf)`: called should a plain `.backward()` reach a leaf of the tape's (it is
@@ -297,7 +300,7 @@ class Tape(TorchFunctionMode):
         # waits for it, a round trip per call, and this is one call a segment, not one a step (on a GPU,
         # a launch-bound step was 0.64x the one-graph engine's: docs/CUDA.md, fifth run). On a CPU
         # graph it runs on the calling thread either way.
-        with torch.autograd.set_multithreading_enabled(False):
+        with torch.autograd.set_multithreading_enabled(self.worker_thread):
             got = torch.autograd.grad(outputs, [i.leaf for i in imports] + list(weights), grads, allow_unused=True)
         for i, g in zip(imports, got):
             if g is not None:
