@@ -23,6 +23,9 @@
 #                                          thread against the device's worker thread, in turn)
 #   lora                                  (on demand, about 2 minutes: --lora 8 at stages 0 and 3, 1 GPU)
 #   snapshot                              (on demand: the allocator's blocks at two cells' peaks)
+#   titan-memory                          (on demand, 2-4 minutes expected: torchtitan's Llama-3.1-8B H100 rows' shape,
+#                                          stage 3 at 8 and 128 simulated ranks, 2 x 8192 tokens, selective-op, fp32
+#                                          reductions: planned peak, allocated, and the allocator's peak reserve)
 #   constants                             (on demand, under a minute expected: issue 33's per-op-class constants,
 #                                          benchmarks/op_constants.py: GEMM shapes of a Llama-3-8B block, causal
 #                                          attention forward and backward, a 1 GiB copy, the kernel floor)
@@ -106,6 +109,9 @@ torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory)
            run "snapshot-s$1-w$2" $PY benchmarks/cuda_memory_snapshot.py --model gpt2-small --stage "$1" --world-size "$2"; done ;;
     constants) run constants $PY benchmarks/op_constants.py --json-out "$OUT/op-constants.json" \
                  --profiles-out "$OUT/measured-profiles.json" ;;
+    titan-memory) run titan-memory $PY -m zerofunc.check --device cuda --model llama3-8b --precision bf16 \
+                    --reduce-dtype fp32 --stage 3 --world-sizes 8,128 --micro-batch 2 --seq 8192 \
+                    --activation-checkpointing selective-op --no-compile --steps 2 --json-out "$OUT/titan-memory.json" ;;
     adamw) run adamw-fp32 $PY benchmarks/fused_adamw.py
            run adamw-bf16 $PY benchmarks/fused_adamw.py --grad-dtype bf16 ;;
     *) echo "unknown part $1"; failed=$((failed + 1)) ;;

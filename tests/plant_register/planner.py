@@ -113,6 +113,12 @@ PLANTS: list[Plant] = [
           "a checkpointed Hugging Face layer keeps the model's key/value cache: run again in backward it finds "
           "its own keys there and attends to them twice, or (selective-op) runs ops its forward did not",
           "issue 33", ("tests/test_hf.py::test_hugging_face_models_checkpointed_train_like_one_device",)),
+    Plant("check_ignores_its_checkpointing_flag", "zerofunc/check/__main__.py",
+          "lora=lora_from_flags(a),\n                  activation_checkpointing=a.activation_checkpointing)",
+          "lora=lora_from_flags(a))",
+          "python -m zerofunc.check --activation-checkpointing MODE checks worlds without checkpointing, so "
+          "a mode's plan is never held against its training",
+          "issue 33", ("tests/test_check.py::test_checkpointed_worlds_are_planned_to_the_byte_and_within_2_percent",)),
     Plant("shard_group_auto_ignores_the_planner_error", "zerofunc/plan/search.py",
           "    if margin > PLANNER_ERROR:\n", "    if margin > 0:\n",
           "--shard-group auto takes any group that plans more tokens/s than a node or the world, however small "

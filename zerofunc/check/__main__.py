@@ -21,6 +21,7 @@ from zerofunc.check.env import as_text, environment
 from zerofunc.lora import add_lora_flags, lora_from_flags
 from zerofunc.models import MODELS
 from zerofunc.plan import Plan
+from zerofunc.recompute import MODES as CHECKPOINTING_MODES
 from zerofunc.usage import PROFILES_HELP
 
 MiB = 2**20
@@ -43,6 +44,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="the dtype gradients reduce in (default: --precision's; communication_data_type)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA if available")
     p.add_argument("--hardware", default=None, help="the profile to plan with (default: the device's)")
+    p.add_argument("--activation-checkpointing", choices=CHECKPOINTING_MODES, default="none",
+                   help="the blocks' checkpointing in every cell (selective: one block in 2)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                    help="torch.compile each block's compute")
     p.add_argument("--steps", type=int, default=2, help="measured steps per cell")
@@ -84,7 +87,8 @@ def _setup(a: argparse.Namespace) -> tuple[torch.device, list[Plan]]:
     if a.shard_group is not None and a.shard_group < 1:
         raise ValueError(f"--shard-group must be at least 1, got {a.shard_group}")
     plans = [Plan(world_size=ws, stage=s, model=a.model, precision=precision, micro_batch=a.micro_batch, seq=a.seq,
-                  hardware=hardware, shard_group=a.shard_group, reduce_dtype=a.reduce_dtype, lora=lora_from_flags(a))
+                  hardware=hardware, shard_group=a.shard_group, reduce_dtype=a.reduce_dtype, lora=lora_from_flags(a),
+                  activation_checkpointing=a.activation_checkpointing)
              for s in stages for ws in _world_sizes(a.world_sizes)]
     plans[0].build()  # --lora's targets match a layer: refused here, in one line
     return device, plans
@@ -121,14 +125,15 @@ def _row(cell, cuda: bool) -> list[str]:
            "yes" if cell.ledger_equal else "NO"]
     if cuda:
         row += [f"{cell.tracked_peak / MiB:.2f}", f"{cell.requested_peak / MiB:.2f}", f"{cell.held_before / MiB:.2f}",
-                f"{cell.reserved / MiB:.2f}", f"{cell.planned_compute_s * 1e3:.2f}",
+                f"{cell.reserved / MiB:.2f}", f"{cell.reserved_peak / MiB:.2f}", f"{cell.planned_compute_s * 1e3:.2f}",
                 f"{cell.planned_step_s * 1e3:.2f}", f"{cell.measured_step_s * 1e3:.2f}"]
     return row
 
 
 COLUMNS = ["stage", "ranks", "shard group", "planned peak MiB", "measured peak MiB", "ratio", "planned comm B", "executed comm B",
            "same collectives"]
-CUDA_COLUMNS = ["tracked peak MiB", "requested peak MiB", "held before MiB", "reserved MiB", "planned compute ms", "planned step ms", "measured step ms"]
+CUDA_COLUMNS = ["tracked peak MiB", "requested peak MiB", "held before MiB", "reserved MiB", "peak reserved MiB",
+                "planned compute ms", "planned step ms", "measured step ms"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     env = environment(device, a.compile)
     first = plans[0]
     what = (f"{first.model}, micro-batch {first.micro_batch} x {first.tokens} tokens, {first.precision}, "
+            f"activation checkpointing {first.activation_checkpointing}, "
             f"planned with profile {first.hardware}, {a.steps} measured steps per cell, tolerance {a.tolerance:.0%}")
     columns = COLUMNS + (CUDA_COLUMNS if cuda else [])
     widths = [len(c) for c in columns]
@@ -167,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     worst = max(cells, key=lambda c: abs(c.peak_ratio - 1), default=None)
     doc = json.dumps({"environment": env, "model": first.model, "micro_batch": first.micro_batch, "seq": first.tokens,
                       "precision": first.precision, "hardware": first.hardware, "compile": a.compile,
+                      "activation_checkpointing": first.activation_checkpointing,
                       "tolerance": a.tolerance, "cells": [c.as_json() for c in cells],
                       "worst_peak_ratio": worst.peak_ratio if worst else None, "failures": failed}, indent=2)
     if a.json_out:

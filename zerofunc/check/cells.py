@@ -43,6 +43,7 @@ class Cell:
     losses: list[float] = field(default_factory=list)
     measured_step_s: Optional[float] = None  # CUDA: median of the measured steps (the fake group moves no data)
     reserved: Optional[int] = None           # CUDA: the caching allocator's reserve at the end
+    reserved_peak: Optional[int] = None      # CUDA: its largest reserve during the measured steps (what torchtitan logs)
     tracked_peak: Optional[int] = None       # CUDA: the memory tracker's peak of one more step
     requested_peak: Optional[int] = None     # CUDA: the allocator's peak of bytes asked for, before its rounding
     held_before: Optional[int] = None        # CUDA: bytes allocated when the cell began (kept by earlier work)
@@ -102,7 +103,7 @@ def _measure(plan: Plan, sim, comm, replicas, device: torch.device, compile: boo
     engine = initialize(model, plan.zero_config(), device=device, comm=comm, replicas=replicas, memory=tracker,
                         compile=compile, init=init)
     batch = [sample_batch(plan, device)]
-    peaks, times, losses, equal, executed, requested = [], [], [], True, 0, 0
+    peaks, times, losses, equal, executed, requested, reserved_peak = [], [], [], True, 0, 0, 0
     if cuda:
         train_step(engine, batch)
         torch.cuda.synchronize(device)
@@ -115,7 +116,9 @@ def _measure(plan: Plan, sim, comm, replicas, device: torch.device, compile: boo
             torch.cuda.synchronize(device)
             times.append(time.perf_counter() - t0)
             peaks.append(torch.cuda.max_memory_allocated(device))
-            requested = max(requested, torch.cuda.memory_stats(device).get("requested_bytes.all.peak", 0))
+            stats = torch.cuda.memory_stats(device)
+            requested = max(requested, stats.get("requested_bytes.all.peak", 0))
+            reserved_peak = max(reserved_peak, stats.get("reserved_bytes.all.peak", 0))
         else:
             tracker.reset_peak()
             with tracker:
@@ -130,6 +133,7 @@ def _measure(plan: Plan, sim, comm, replicas, device: torch.device, compile: boo
         cell.measured_step_s = statistics.median(times)
         cell.reserved = torch.cuda.memory_reserved(device)
         cell.requested_peak = requested
+        cell.reserved_peak = reserved_peak
         tracker.reset_peak()
         with tracker:
             train_step(engine, batch)
