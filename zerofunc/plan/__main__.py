@@ -24,7 +24,8 @@ from zerofunc.overlap import Overlap
 from zerofunc.plan import Plan
 from zerofunc.plan.plot import plot
 from zerofunc.plan.report import GiB, as_json, as_table, recommend
-from zerofunc.plan.search import fewest_ranks, lever_configs, lever_costs, report_stages, world_size_candidates
+from zerofunc.plan.search import (fewest_ranks, lever_configs, lever_costs, report_stages, shared_workers,
+                                  world_size_candidates)
 from zerofunc.recompute import MODES
 from zerofunc.usage import PROFILES_HELP, ArgumentParser, profiles_flag
 
@@ -152,17 +153,18 @@ def main(argv: list[str] | None = None) -> int:
     host = int(a.host_memory * GiB) if a.host_memory is not None else base.profile.host_memory_bytes
     cap = MAX_AUTO_MICRO_BATCH if auto and a.micro_batch is None and blocks else None
     per_node = (a.gpus_per_node or base.profile.devices_per_node) if shard_auto else None
-    if auto and candidates is not None:
-        # the fewest ranks any configuration fits on is where the most frugal one does; there, every one
-        frugal = max(configs, key=lambda c: (c.stage, c.checkpointing.mode == "full", c.offload_optimizer))
-        n = fewest_ranks(frugal, capacity, candidates, host, cap, shard_auto, workers=os.cpu_count() or 1)
-        plans = [replace(c, world_size=n or candidates[-1]) for c in configs]
-        reports = [replace(r, beyond=n is None)
-                   for r in report_stages(plans, capacity, a.plot is not None, None, host, cap, per_node)]
-    else:
-        reports = report_stages(plans, capacity, a.plot is not None, candidates, host, cap, per_node)
-    best = recommend(reports)
-    costs = lever_costs(best) if auto and best is not None else []
+    with shared_workers(os.cpu_count() or 1):
+        if auto and candidates is not None:
+            # the fewest ranks any configuration fits on is where the most frugal one does; there, every one
+            frugal = max(configs, key=lambda c: (c.stage, c.checkpointing.mode == "full", c.offload_optimizer))
+            n = fewest_ranks(frugal, capacity, candidates, host, cap, shard_auto, workers=os.cpu_count() or 1)
+            plans = [replace(c, world_size=n or candidates[-1]) for c in configs]
+            reports = [replace(r, beyond=n is None)
+                       for r in report_stages(plans, capacity, a.plot is not None, None, host, cap, per_node)]
+        else:
+            reports = report_stages(plans, capacity, a.plot is not None, candidates, host, cap, per_node)
+        best = recommend(reports)
+        costs = lever_costs(best) if auto and best is not None else []
     if a.plot is not None:
         try:
             plot(reports, a.plot)

@@ -129,12 +129,38 @@ def world_size_candidates(max_world_size: int, gpus_per_node: Optional[int] = No
     return within + list(range(gpus_per_node, max_world_size + 1, gpus_per_node))
 
 
+_shared: dict[int, ProcessPoolExecutor] = {}  # by the pid that made it: a forked worker has its parent's dict
+
+
+@contextlib.contextmanager
+def shared_workers(workers: int):
+    """Within: every map over processes in this process uses one pool of `workers` forked processes, not a
+    pool of its own. A process's first simulation costs about a second more than the next ones (torch's lazy
+    imports and registrations), so a command that maps three times (the fewest ranks, the stages, the
+    levers) paid it three times in every worker; with one pool, once. For one command (python -m
+    zerofunc.plan): the workers keep what the process was when they forked."""
+    if workers <= 1 or os.getpid() in _shared:
+        yield
+        return
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        _shared[os.getpid()] = pool
+        try:
+            yield
+        finally:
+            del _shared[os.getpid()]
+
+
 @contextlib.contextmanager
 def _mapper(workers: int, plans: list[Plan]):
-    """A map over `workers` forked processes (the plans are independent), or this process's own where
-    one worker or a model callable (which need not pickle) says so."""
+    """A map over `workers` forked processes (the plans are independent): the shared pool where one is open
+    (`shared_workers`), else a pool of its own; or this process's own where one worker or a model callable
+    (which need not pickle) says so."""
     if workers <= 1 or any(p.foreign for p in plans):
         yield lambda fn, *args: list(map(fn, *args))
+        return
+    shared = _shared.get(os.getpid())
+    if shared is not None:
+        yield lambda fn, *args: list(shared.map(fn, *args))
         return
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
         yield lambda fn, *args: list(pool.map(fn, *args))
