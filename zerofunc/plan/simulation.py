@@ -19,7 +19,7 @@ from sim.meta_cache import MetaKernelCache
 from sim.roofline import ADAMW_BYTES_COUNTED, Roofline
 from zerofunc.api import default_units, initialize
 from zerofunc.comm import RecordingCommunicator
-from zerofunc.plan.folding import in_flight, shortened
+from zerofunc.plan.folding import in_flight, runs, shortened, stack
 from zerofunc.plan.folding import fold as fold_runs
 from zerofunc.plan.growth import Measured
 from zerofunc.step import train_step
@@ -82,17 +82,16 @@ def simulate(plan: Plan, timeline: bool = False, timing: bool = True, kernel_cac
     where the default simulates a run of identical blocks at three short lengths and extends it
     (zerofunc.plan.folding; the result is the same, checked as it is made).
     """
-    model = plan.build()
-    units = default_units(model)
+    model, units, block_runs = _built(plan)
     measured = folded = None
     if fold:
         def at(lengths: list[int]) -> Measured:
-            return _measure(plan, shortened(model, units, lengths), timing, kernel_cache)
+            return _measure(plan, shortened(model, units, lengths, block_runs), timing, kernel_cache)
         # a run is cut to what the step needs to reach its steady pattern: the blocks gathered ahead, those whose
         # collectives stay in flight, and one period of layer-selective AC (one block in `every` recomputes)
         period = plan.checkpointing.every if plan.checkpointing.mode == "selective" else 1
         keep = plan.prefetch_depth + in_flight(model, units, plan.bucket_bytes) + period
-        measured = folded = fold_runs(model, units, keep, at, period)
+        measured = folded = fold_runs(model, units, keep, at, period, block_runs)
     if measured is None:
         measured = _measure(plan, model, timing, kernel_cache)
     memory = report_of(measured.labels, measured.live, timeline)
@@ -104,6 +103,26 @@ def simulate(plan: Plan, timeline: bool = False, timing: bool = True, kernel_cac
                       {k: sums[f"elsewhere:{k}"] for k in ("host", "d2h", "h2d")}, timing, schedule.exposed_s,
                       schedule.slowed_s, {k.removeprefix("bound:"): v for k, v in sums.items() if k.startswith("bound:")},
                       folded is not None)
+
+
+_BUILT: dict[tuple, tuple[nn.Module, list[str], Optional[list[int]]]] = {}  # this process's, by model
+
+
+def _built(plan: Plan) -> tuple[nn.Module, list[str], Optional[list[int]]]:
+    """The plan's model on meta, its units and the runs of identical blocks in them: built once per process
+    for all plans of one model (a command simulates one model 35 times or more, and a 70B model took a
+    fifth of each folded simulation to build and compare its blocks). A simulation leaves the model as it
+    was: it runs shortened copies of it, or, unfolded, binds its weights for one call (and meta parameters
+    stay the module's: zerofunc.api). A model callable is called once per process."""
+    key = (plan.model if plan.foreign or plan.params is not None else plan.config, plan.params, plan.lora)
+    if key not in _BUILT:
+        model = plan.build()
+        units = default_units(model)
+        located = stack(model, units)
+        if len(_BUILT) >= 4:  # a few models at most: each holds a model's modules
+            _BUILT.pop(next(iter(_BUILT)))
+        _BUILT[key] = (model, units, runs(located[2]) if located is not None else None)
+    return _BUILT[key]
 
 
 def _links(plan: Plan) -> dict[str, Link]:
