@@ -252,6 +252,8 @@ def test_help_runs_from_a_checkout_anywhere(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--world-sizes", "0,8"], "--world-sizes takes positive integers"),
+    (["--activation-checkpointing", "some"], "argument --activation-checkpointing: invalid choice: 'some'"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["--world-sizes", "eight"], "--world-sizes takes positive integers"),
     (["--model", "gpt5"], "unknown model 'gpt5'"),
     (["--seq", "4096"], "does not fit the model's context of 256"),

@@ -119,6 +119,10 @@ PLANTS: list[Plant] = [
           "python -m zerofunc.check --activation-checkpointing MODE checks worlds without checkpointing, so "
           "a mode's plan is never held against its training",
           "issue 33", ("tests/test_check.py::test_checkpointed_worlds_are_planned_to_the_byte_and_within_2_percent",)),
+    Plant("check_flags_refused_with_argparses_usage", "zerofunc/check/__main__.py",
+          '    p = ArgumentParser(prog="python -m zerofunc.check",', '    p = argparse.ArgumentParser(prog="python -m zerofunc.check",',
+          "python -m zerofunc.check answers an unknown flag or a bad choice with argparse's usage block, not one line",
+          "issue 33", ("tests/test_check.py::test_bad_input_is_one_line_and_exit_2",)),
     Plant("shard_group_auto_ignores_the_planner_error", "zerofunc/plan/search.py",
           "    if margin > PLANNER_ERROR:\n", "    if margin > 0:\n",
           "--shard-group auto takes any group that plans more tokens/s than a node or the world, however small "

@@ -22,13 +22,13 @@ from zerofunc.lora import add_lora_flags, lora_from_flags
 from zerofunc.models import MODELS
 from zerofunc.plan import Plan
 from zerofunc.recompute import MODES as CHECKPOINTING_MODES
-from zerofunc.usage import PROFILES_HELP
+from zerofunc.usage import PROFILES_HELP, ArgumentParser
 
 MiB = 2**20
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m zerofunc.check",
+    p = ArgumentParser(prog="python -m zerofunc.check",
                                 description="Check the planner against real training steps in simulated worlds.")
     p.add_argument("--model", default="gpt2-tiny",
                    help=f"a Hugging Face config.json (llama, mistral, qwen2, gpt2), or one of {', '.join(MODELS)}")
@@ -137,8 +137,8 @@ CUDA_COLUMNS = ["tracked peak MiB", "requested peak MiB", "held before MiB", "re
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = parse(argv)
     try:
+        a = parse(argv)  # argparse's own complaints too: one line, exit 2
         use_profiles(a.profiles, must_exist=not a.calibrate)  # a bad file: one line, before any measuring
         device, plans = _setup(a)
     except ValueError as e:
