@@ -87,7 +87,8 @@ def report_stage(plan: Plan, capacity: int, timeline: bool = False, host_capacit
     if not one.fits(capacity, host_capacity):
         max_micro_batch = 0
     else:
-        sims[2] = simulated(replace(plan, micro_batch=2), timeline=True, timing=plan.micro_batch == 2 and not auto)
+        # timed where it may be the answer: auto picks a power of two, often 2, which then needs no second run
+        sims[2] = simulated(replace(plan, micro_batch=2), timeline=True, timing=auto or plan.micro_batch == 2)
         max_micro_batch = MemoryLines.of(one, sims[2]).max_micro_batch(capacity)
     if auto:
         if max_micro_batch == 0:
