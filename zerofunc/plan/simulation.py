@@ -115,14 +115,22 @@ def _built(plan: Plan) -> tuple[nn.Module, list[str], Optional[list[int]]]:
     was: it runs shortened copies of it, or, unfolded, binds its weights for one call (and meta parameters
     stay the module's: zerofunc.api). A model callable is called once per process."""
     key = (plan.model if plan.foreign or plan.params is not None else plan.config, plan.params, plan.lora)
-    if key not in _BUILT:
-        model = plan.build()
-        units = default_units(model)
-        located = stack(model, units)
+    try:
+        return _BUILT[key]
+    except TypeError:  # an unhashable model callable: built each time
+        return _build(plan)
+    except KeyError:
         if len(_BUILT) >= 4:  # a few models at most: each holds a model's modules
             _BUILT.pop(next(iter(_BUILT)))
-        _BUILT[key] = (model, units, runs(located[2]) if located is not None else None)
-    return _BUILT[key]
+        _BUILT[key] = built = _build(plan)
+        return built
+
+
+def _build(plan: Plan) -> tuple[nn.Module, list[str], Optional[list[int]]]:
+    model = plan.build()
+    units = default_units(model)
+    located = stack(model, units)
+    return model, units, runs(located[2]) if located is not None else None
 
 
 def _links(plan: Plan) -> dict[str, Link]:
