@@ -123,6 +123,12 @@ PLANTS: list[Plant] = [
           '    p = ArgumentParser(prog="python -m zerofunc.check",', '    p = argparse.ArgumentParser(prog="python -m zerofunc.check",',
           "python -m zerofunc.check answers an unknown flag or a bad choice with argparse's usage block, not one line",
           "issue 33", ("tests/test_check.py::test_bad_input_is_one_line_and_exit_2",)),
+    Plant("built_model_shared_across_adapters", "zerofunc/plan/simulation.py",
+          "    key = (plan.model if plan.foreign or plan.params is not None else plan.config, plan.params, plan.lora)\n",
+          "    key = (plan.model if plan.foreign or plan.params is not None else plan.config, plan.params)\n",
+          "the planner's model built once per process is shared by plans with and without LoRA adapters: a plan is "
+          "simulated on the other's model",
+          "issue 33", ("tests/test_plan.py", "tests/test_lora.py")),
     Plant("shard_group_auto_ignores_the_planner_error", "zerofunc/plan/search.py",
           "    if margin > PLANNER_ERROR:\n", "    if margin > 0:\n",
           "--shard-group auto takes any group that plans more tokens/s than a node or the world, however small "
