@@ -68,19 +68,28 @@ def one_rank(stage: int, compile: bool, device: str, precision: str, width: int,
     train_step(engine, batch)
     sync()
     profile.disable()
-    times = []
-    for _ in range(15):
-        sync()
-        t0 = time.perf_counter()
-        train_step(engine, batch)
-        sync()
-        times.append(time.perf_counter() - t0)
+    times = _step_times(lambda: train_step(engine, batch), sync, 15)
     threads = _thread_ab(lambda: train_step(engine, batch), sync) if thread_ab else ""
     stats = pstats.Stats(profile, stream=io.StringIO())
     if top:
         stats.sort_stats("tottime").print_stats(top)
-    return (counting.ops, stats.total_calls, sorted(times)[len(times) // 2] * 1e3, threads,
-            stats.stream.getvalue() if top else "")
+    return (counting.ops, stats.total_calls, _median_ms(times), threads, stats.stream.getvalue() if top else "")
+
+
+def _step_times(step, sync, n: int) -> list[float]:
+    """Seconds of each of `n` steps, each timed from a synchronize to one after it."""
+    times = []
+    for _ in range(n):
+        sync()
+        t0 = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _median_ms(times: list[float]) -> float:
+    return sorted(times)[len(times) // 2] * 1e3
 
 
 def _thread_ab(step, sync, rounds: int = 4, steps: int = 10) -> str:
@@ -96,15 +105,10 @@ def _thread_ab(step, sync, rounds: int = 4, steps: int = 10) -> str:
         for _ in range(rounds):
             for worker in (False, True):
                 tape.worker_thread = worker
-                for _ in range(steps):
-                    sync()
-                    t0 = time.perf_counter()
-                    step()
-                    sync()
-                    times[worker].append(time.perf_counter() - t0)
+                times[worker] += _step_times(step, sync, steps)
     finally:
         tape.worker_thread = False
-    calling, worker = (sorted(t)[len(t) // 2] * 1e3 for t in (times[False], times[True]))
+    calling, worker = _median_ms(times[False]), _median_ms(times[True])
     return f"calling thread {calling:.1f} ms, worker thread {worker:.1f} ms (medians of {rounds} x {steps} steps each, in turn)"
 
 

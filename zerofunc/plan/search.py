@@ -143,7 +143,7 @@ def shared_workers(workers: int):
     if workers <= 1 or os.getpid() in _shared:
         yield
         return
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+    with _forked(workers) as pool:
         _shared[os.getpid()] = pool
         try:
             yield
@@ -163,8 +163,12 @@ def _mapper(workers: int, plans: list[Plan]):
     if shared is not None:
         yield lambda fn, *args: list(shared.map(fn, *args))
         return
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+    with _forked(workers) as pool:
         yield lambda fn, *args: list(pool.map(fn, *args))
+
+
+def _forked(workers: int) -> ProcessPoolExecutor:
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
 
 
 def _probe(plan: Plan) -> Simulation:
