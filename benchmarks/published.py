@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sim.hardware import PROFILES_ENV, use_profiles  # noqa: E402
@@ -144,7 +146,6 @@ def full_logits_gib(run: Run) -> Optional[float]:
     compute it chunk by chunk (zerofunc/lm_head.py). Planned on Hugging Face's LlamaForCausalLM of the
     same shape, whose loss is computed so; None without transformers (an optional extra)."""
     try:
-        import torch
         import transformers
     except ImportError:
         return None
