@@ -52,7 +52,7 @@ ATTENTION = frozenset(getattr(_aten, name).default for name in (  # each backend
     if hasattr(_aten, name))
 
 
-def _keep_attention_and_every_second_matmul():
+def keep_attention_and_every_second_matmul():
     """The op-selective policy's contexts for one run of one block: a fresh matmul count for its forward
     and for its recomputation, so each keeps the same matmuls' outputs."""
     counts = {False: 0, True: 0}
@@ -124,7 +124,7 @@ def checkpointed(forward: Callable, in_forward: Callable[[], bool], recompute: C
                         stack.enter_context(mode)
                 return forward(*args, **kwargs)
 
-        selective = {"context_fn": _keep_attention_and_every_second_matmul} if keep_ops else {}
+        selective = {"context_fn": keep_attention_and_every_second_matmul} if keep_ops else {}
         return checkpoint(run_block, *args, use_reentrant=False, preserve_rng_state=not meta, **selective, **kwargs)
     return wrapper
 

@@ -1,0 +1,149 @@
+"""What FSDP2 itself keeps live at a published run's configuration, beside the planner's peak and the
+published figure: which part of a gap between plan and publication is the trainer, and which the allocator.
+
+    python benchmarks/fsdp2_memory.py [--breakdown]
+
+For each published run that logged its memory (torchtitan's Llama-3.1-8B on 8 and 128 H100s), the run's
+configuration is rebuilt with torch's own FSDP2 as torchtitan's `parallelize_llama` applied it at the
+published commit (9dec370): each block `fully_shard`ed, resharded after forward but the last, then the root;
+bf16 weights, gradients reduced in fp32; each block wrapped by `checkpoint_wrapper` under the run's policy
+(selective-op: torchtitan's, keep attention and every second matmul, zerofunc.recompute's own, which also
+names CPU's flash kernel); AdamW with foreach. It runs in one process on fake tensors with a fake process
+group of the run's size (nothing allocated, nothing communicated) and torch's `FSDPMemTracker` counts the
+live tensors of one step's forward and backward, after a first step made the optimizer's moments. Each
+run is taken with two modules: Hugging Face's LlamaForCausalLM of the same shape, whose loss is
+torchtitan's (the micro-batch's logits whole, in fp32), and zerofunc's Llama (its loss chunk by chunk).
+Beside it, the planner's peak of live tensors for zerofunc's step on the same module
+(`benchmarks/published.py`), and the published figure (torchtitan logs the allocator's peak reserved).
+
+The update is outside the tracked window: under fake tensors the tracker counts foreach AdamW's
+temporaries on DTensors at several times the moments (100 GiB at 8 GPUs), which no run could hold; the
+update's real live set (the shards of weights, gradients, moments, and a shard of temporaries) is a
+quarter of the backward's peak at these shapes. transformers is needed (an optional extra).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from published import RUNS, Run, full_logits_gib, planned  # noqa: E402
+from zerofunc.api import default_units  # noqa: E402
+from zerofunc.models import build_model, model_config  # noqa: E402
+from zerofunc.models.hf_config import hf_config_dict  # noqa: E402
+from zerofunc.recompute import ActivationCheckpointing, keep_attention_and_every_second_matmul  # noqa: E402
+
+GIB = 2**30
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, None: torch.bfloat16}
+
+
+def hf_module(run: Run) -> nn.Module:
+    import transformers
+    config = transformers.AutoConfig.for_model(**hf_config_dict(model_config(run.model)))
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
+def zerofunc_module(run: Run) -> nn.Module:
+    with torch.device("meta"):
+        return build_model(model_config(run.model))
+
+
+def hf_loss(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, labels=labels, use_cache=False).loss  # torchtitan's model keeps no cache
+
+
+def zerofunc_loss(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return model(ids, labels)
+
+
+MODULES = {"Hugging Face LlamaForCausalLM (whole fp32 logits)": (hf_module, hf_loss, full_logits_gib),
+           "zerofunc Llama (chunked loss)": (zerofunc_module, zerofunc_loss, lambda run: planned(run)["gib"])}
+
+
+def _checkpointed(block: nn.Module, index: int, policy: ActivationCheckpointing) -> nn.Module:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    if not policy.on or not policy.recomputes(index):
+        return block
+    if policy.keeps_ops:
+        return checkpoint_wrapper(block, context_fn=keep_attention_and_every_second_matmul, preserve_rng_state=False)
+    return checkpoint_wrapper(block, preserve_rng_state=False)
+
+
+def fsdp2_live_peak(run: Run, build, loss_of) -> dict:
+    """One step of `run` under FSDP2 on fake tensors: the tracker's categories at the peak, GiB."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=run.gpus, store=FakeStore())
+    try:
+        mesh = init_device_mesh("cpu", (run.gpus,))
+        policy = ActivationCheckpointing(run.checkpointing)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=DTYPES[run.reduce_dtype])
+        model = build(run)  # on meta, and sharded there, as torchtitan does: a module's set-up may read values
+        units = default_units(model)
+        for i, name in enumerate(units):
+            parent, _, attr = name.rpartition(".")
+            owner = model.get_submodule(parent)
+            owner.register_module(attr, _checkpointed(owner.get_submodule(attr), i, policy))
+        for i, name in enumerate(units):  # torchtitan: the last block stays gathered for backward
+            fully_shard(model.get_submodule(name), mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(units) - 1)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        with FakeTensorMode(allow_non_fake_inputs=True):  # the meta-built module enters it
+            model.to_empty(device="cpu")
+            optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, foreach=True)
+            vocab = model_config(run.model).vocab_size
+            ids = torch.randint(0, vocab, (run.micro_batch, run.seq))
+            labels = torch.randint(0, vocab, (run.micro_batch, run.seq))
+
+            def forward_backward():
+                loss_of(model, ids, labels).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+
+            forward_backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            tracker = FSDPMemTracker(mod=model, optm=optimizer)
+            tracker.track_inputs((ids, labels))
+            with tracker:
+                forward_backward()
+            (snapshot,) = tracker.get_tracker_snapshot("peak").values()
+        return {str(getattr(k, "value", k)): v / GIB for k, v in snapshot.items()}
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--breakdown", action="store_true", help="also print the tracker's categories at the peak")
+    args = ap.parse_args(argv)
+    if importlib.util.find_spec("transformers") is None:
+        print("fsdp2_memory.py: error: needs transformers (in the test extra: pip install -c constraints.txt -e '.[test]')", file=sys.stderr)
+        return 2
+    runs = [r for r in RUNS if r.gib]
+    print(f"{'run':30} {'module':50} {'planned':>8} {'FSDP2 live':>10} {'published':>9}")
+    for run in runs:
+        for label, (build, loss_of, plan_gib) in MODULES.items():
+            peak = fsdp2_live_peak(run, build, loss_of)
+            print(f"{run.label:30} {label:50} {plan_gib(run):8.1f} {peak['Total']:10.1f} {run.gib:9.1f}")
+            if args.breakdown:
+                print("    " + ", ".join(f"{k} {v:.2f}" for k, v in peak.items() if k != "Total" and v >= 0.005))
+    print("\nGiB per GPU. planned: the planner's peak of live tensors for zerofunc's step on the module; FSDP2 live: "
+          "torch's FSDPMemTracker over FSDP2's forward and backward at the run's configuration (fake tensors); "
+          "published: the run's log (torchtitan: the caching allocator's peak reserved, with expandable segments)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
