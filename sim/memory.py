@@ -28,8 +28,10 @@ is one activation-sized tensor.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
@@ -47,6 +49,33 @@ CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers", "other")
 _ADOPTING = {torch.ops.aten.set_.source_Storage, torch.ops.aten.set_.source_Storage_storage_offset}
 
 
+class Timeline(Sequence):
+    """A report's timeline, (label, device bytes live per CATEGORIES, host bytes live) per sample, made into
+    Python tuples only when read: a simulated step samples tens of thousands of times, and the planner's
+    searches need only each sample's device total (`totals`)."""
+
+    def __init__(self, labels: list[str], device: np.ndarray, host_totals: np.ndarray):
+        self._labels, self._device, self._host = labels, device, host_totals
+
+    @functools.cached_property
+    def totals(self) -> np.ndarray:
+        """The device bytes live at each sample."""
+        return self._device.sum(axis=1)
+
+    @functools.cached_property
+    def _rows(self) -> list[tuple[str, tuple[int, ...], int]]:
+        return list(zip(self._labels, map(tuple, self._device.tolist()), self._host.tolist()))
+
+    def __getitem__(self, i):
+        return self._rows[i]
+
+    def __len__(self) -> int:
+        return len(self._labels)
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other) if isinstance(other, Sequence) else NotImplemented
+
+
 @dataclass
 class MemoryReport:
     """What a tracker saw: per category its largest live value, and the peak of the total, on the
@@ -55,8 +84,8 @@ class MemoryReport:
     max_by_category: dict[str, int]
     peak: int
     at_peak: dict[str, int]
-    # (label, device bytes live per CATEGORIES, host bytes live)
-    timeline: list[tuple[str, tuple[int, ...], int]] = field(default_factory=list)
+    # (label, device bytes live per CATEGORIES, host bytes live): a list, or a Timeline
+    timeline: Sequence[tuple[str, tuple[int, ...], int]] = field(default_factory=list)
     host_max_by_category: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
     host_peak: int = 0
 
@@ -78,7 +107,7 @@ def report_of(labels: list[str], live: np.ndarray, timeline: bool = False) -> Me
     at_peak = device[first].tolist() if totals[first] > 0 else [0] * n
     return MemoryReport(dict(zip(CATEGORIES, np.maximum(device.max(axis=0), 0).tolist())), max(int(totals[first]), 0),
                         dict(zip(CATEGORIES, at_peak)),
-                        list(zip(labels, map(tuple, device.tolist()), host_totals.tolist())) if timeline else [],
+                        Timeline(labels, device, host_totals) if timeline else [],
                         dict(zip(CATEGORIES, np.maximum(host.max(axis=0), 0).tolist())), max(int(host_totals.max()), 0))
 
 

@@ -182,6 +182,10 @@ PLANTS: list[Plant] = [
           "np.maximum(device.max(axis=0), 0)", "np.maximum(device[-1], 0)",
           "each category is reported at what is live when the step ends, not at its largest",
           "issue 33", ("tests/test_plan.py::test_simulated_step_is_the_executed_step",)),
+    Plant("micro_batch_line_from_one_sample", "zerofunc/plan/search.py",
+          "        return cls(2 * t1 - t2, t2 - t1)", "        return cls(t1, t2 - t1)",
+          "the micro-batch lines start at micro-batch 1's bytes, not at 0's: the largest micro-batch found is one short",
+          "issue 33", ("tests/test_plan.py::test_plan_json_schema_and_recommendation",)),
     Plant("docs_broken_link", "README.md", "](docs/TESTS.md)", "](docs/TEST.md)",
           "a README link leads nowhere", "issue 23 note", ("tests/test_docs.py",)),
 ]

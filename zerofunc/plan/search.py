@@ -12,6 +12,8 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Optional
 
+import numpy as np
+
 from zerofunc.plan import MAX_MICRO_BATCH, Plan, Simulation, simulate
 from zerofunc.plan.report import StageReport
 
@@ -25,26 +27,33 @@ class MemoryLines:
     (micro-batch 1 and 2) therefore give every event's line.
     """
 
-    fixed: tuple[int, ...]
-    per_sample: tuple[int, ...]
+    fixed: np.ndarray       # bytes, one per event (int64)
+    per_sample: np.ndarray
 
     @classmethod
     def of(cls, one: Simulation, two: Simulation) -> "MemoryLines":
-        t1 = [sum(v) for _, v, _ in one.memory.timeline]
-        t2 = [sum(v) for _, v, _ in two.memory.timeline]
+        t1, t2 = (_device_totals(s.memory.timeline) for s in (one, two))
         if len(t1) != len(t2):
             raise RuntimeError("the step's events differ between micro-batches 1 and 2; cannot extrapolate")
-        return cls(tuple(2 * a - b for a, b in zip(t1, t2)), tuple(b - a for a, b in zip(t1, t2)))
+        return cls(2 * t1 - t2, t2 - t1)
 
     def peak(self, micro_batch: int) -> int:
-        return max(a + b * micro_batch for a, b in zip(self.fixed, self.per_sample))
+        return int((self.fixed + self.per_sample * micro_batch).max())
 
     def max_micro_batch(self, capacity: int) -> int:
         """The largest micro-batch whose peak fits `capacity` bytes (0 if none does)."""
         if self.peak(1) > capacity:
             return 0
-        limits = [(capacity - a) // b for a, b in zip(self.fixed, self.per_sample) if b > 0]
-        return min([MAX_MICRO_BATCH, *limits])
+        growing = self.per_sample > 0
+        limits = (capacity - self.fixed[growing]) // self.per_sample[growing]
+        return min([MAX_MICRO_BATCH, *limits.tolist()])
+
+
+def _device_totals(timeline) -> np.ndarray:
+    """Each sample's device bytes live: a Timeline has them summed already."""
+    if hasattr(timeline, "totals"):
+        return timeline.totals
+    return np.array([sum(v) for _, v, _ in timeline], dtype=np.int64)
 
 
 _SIMULATED: dict[Plan, Simulation] = {}  # this process's simulations (a forked worker inherits them)
