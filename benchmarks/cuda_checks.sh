@@ -26,6 +26,10 @@
 #   titan-memory                          (on demand, 2-4 minutes expected: torchtitan's Llama-3.1-8B H100 rows' shape,
 #                                          stage 3 at 8 and 128 simulated ranks, 2 x 8192 tokens, selective-op, fp32
 #                                          reductions: planned peak, allocated, and the allocator's peak reserve)
+#   fsdp2-memory                          (on demand, 3-5 minutes expected: torchtitan's rows on torch's FSDP2, one rank
+#                                          of a fake world of 8 and of 128 on this GPU, Hugging Face's Llama and
+#                                          zerofunc's: the allocator's peaks over whole steps, with expandable
+#                                          segments as torchtitan's launcher set them, then without)
 #   constants                             (on demand, under a minute expected: issue 33's per-op-class constants,
 #                                          benchmarks/op_constants.py: GEMM shapes of a Llama-3-8B block, causal
 #                                          attention forward and backward, a 1 GiB copy, the kernel floor)
@@ -112,6 +116,10 @@ torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory)
     titan-memory) run titan-memory $PY -m zerofunc.check --device cuda --model llama3-8b --precision bf16 \
                     --reduce-dtype fp32 --stage 3 --world-sizes 8,128 --micro-batch 2 --seq 8192 \
                     --activation-checkpointing selective-op --no-compile --steps 2 --json-out "$OUT/titan-memory.json" ;;
+    fsdp2-memory) run fsdp2-memory-expandable env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+                    $PY benchmarks/fsdp2_memory.py --device cuda --json-out "$OUT/fsdp2-memory-expandable.json"
+                  run fsdp2-memory-default env -u PYTORCH_CUDA_ALLOC_CONF \
+                    $PY benchmarks/fsdp2_memory.py --device cuda --no-plan --json-out "$OUT/fsdp2-memory-default.json" ;;
     adamw) run adamw-fp32 $PY benchmarks/fused_adamw.py
            run adamw-bf16 $PY benchmarks/fused_adamw.py --grad-dtype bf16 ;;
     *) echo "unknown part $1"; failed=$((failed + 1)) ;;
