@@ -82,6 +82,35 @@ def _gathered_with_gradient(shard: torch.Tensor, group: Group) -> torch.Tensor:
     return ReduceScatteredGradient.apply(shard, gathered(shard.detach(), group), group)
 
 
+class _Unflattened(torch.autograd.Function):
+    """A unit's whole weights as its parameters (the layout's slots, in order from offset 0), whose gradient
+    is one concatenation. Not a slice per parameter: each slice differentiates into a zero-padded copy of
+    the whole buffer and the copies are summed, which inductor fuses into one pass that loads once per
+    parameter (a 30m block's 12: 23 ms on this CPU, where a concatenation copies once). Not one split: a
+    split's views are outputs of one multi-output op, which dynamo refuses to hand to an autograd
+    Function that returns its input (the tied embedding)."""
+
+    @staticmethod
+    def forward(whole: torch.Tensor, slots: tuple) -> tuple[torch.Tensor, ...]:
+        views, at = [], 0
+        for numel, shape in slots:
+            views.append(whole[at:at + numel].view(shape))
+            at += numel
+        return tuple(views)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        whole, slots = inputs
+        ctx.slots, ctx.numel, ctx.dtype, ctx.device = slots, whole.numel(), whole.dtype, whole.device
+
+    @staticmethod
+    def backward(ctx, *grads):
+        zeros = functools.partial(torch.zeros, dtype=ctx.dtype, device=ctx.device)
+        pieces = [g.reshape(-1) if g is not None else zeros(numel) for (numel, _), g in zip(ctx.slots, grads)]
+        tail = ctx.numel - sum(numel for numel, _ in ctx.slots)  # the padding to equal shards
+        return torch.cat(pieces + ([zeros(tail)] if tail else [])), None
+
+
 def _span_in(master: torch.Tensor, params: torch.Tensor) -> Optional[tuple[int, int]]:
     """Where the fp32 master lies inside the weights' buffer, when it is a slice of it (fp32, not offloaded)."""
     if master.dtype != params.dtype or master.untyped_storage().data_ptr() != params.untyped_storage().data_ptr():
@@ -158,9 +187,8 @@ class WholeStep:
             whole = ReduceScatteredGradient.apply(leaf, unit.params, group)
         else:
             whole = leaf
-        # slices, not one split: a split's views are outputs of one multi-output op, which dynamo refuses to
-        # hand to an autograd Function that returns its input (the tied embedding)
-        return {s.name: whole[s.offset:s.offset + s.numel].view(s.shape) for s in unit.layout.slots}
+        slots = unit.layout.slots
+        return dict(zip((s.name for s in slots), _Unflattened.apply(whole, tuple((s.numel, s.shape) for s in slots))))
 
     def _block_forward(self, unit, forward):
         cut = len(unit.name) + 1
