@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import importlib.util
 import json
 import os
@@ -156,7 +157,9 @@ def fsdp2_live_peak(run: Run, build, loss_of) -> dict:
 def fsdp2_cuda_peaks(run: Run, build, loss_of, steps: int = 2) -> dict:
     """`steps` whole steps of `run` under FSDP2 on this GPU, after one: the caching allocator's peaks, GiB.
     The weights are left uninitialised (the values do not change what is allocated)."""
+    gc.collect()  # the last row's module and optimizer (FSDP2's hooks hold cycles)
     torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
     with fake_world(run.gpus):
         model = sharded(run, build, "cuda")
         model.to_empty(device="cuda")
@@ -170,10 +173,8 @@ def fsdp2_cuda_peaks(run: Run, build, loss_of, steps: int = 2) -> dict:
             update()
         torch.cuda.synchronize()
         stats = torch.cuda.memory_stats()
-        del model, forward_backward, update
-    torch.cuda.empty_cache()
     return {"allocated": stats["allocated_bytes.all.peak"] / GIB, "reserved": stats["reserved_bytes.all.peak"] / GIB,
-            "alloc_retries": stats["num_alloc_retries"]}
+            "alloc_retries": stats["num_alloc_retries"], "allocated_before_gib": before / GIB}
 
 
 def main(argv=None) -> int:
