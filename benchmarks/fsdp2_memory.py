@@ -44,21 +44,13 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from published import RUNS, Run, full_logits_gib, planned  # noqa: E402
+from published import RUNS, Run, full_logits_gib, hf_model, planned  # noqa: E402
 from zerofunc.api import default_units  # noqa: E402
 from zerofunc.models import build_model, model_config  # noqa: E402
-from zerofunc.models.hf_config import hf_config_dict  # noqa: E402
 from zerofunc.recompute import ActivationCheckpointing, keep_attention_and_every_second_matmul  # noqa: E402
 
 GIB = 2**30
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, None: torch.bfloat16}
-
-
-def hf_module(run: Run) -> nn.Module:
-    import transformers
-    config = transformers.AutoConfig.for_model(**hf_config_dict(model_config(run.model)))
-    with torch.device("meta"):
-        return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
 
 def zerofunc_module(run: Run) -> nn.Module:
@@ -74,7 +66,7 @@ def zerofunc_loss(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> 
     return model(ids, labels)
 
 
-MODULES = {"Hugging Face LlamaForCausalLM (whole fp32 logits)": (hf_module, hf_loss, full_logits_gib),
+MODULES = {"Hugging Face LlamaForCausalLM (whole fp32 logits)": (hf_model, hf_loss, full_logits_gib),
            "zerofunc Llama (chunked loss)": (zerofunc_module, zerofunc_loss, lambda run: planned(run)["gib"])}
 
 

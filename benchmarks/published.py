@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
+import importlib.util
 import json
 import os
 import sys
@@ -140,21 +142,22 @@ def planned(run: Run) -> dict:
             "compute_by_bound": sim.compute_by_bound}
 
 
+def hf_model(run: Run) -> torch.nn.Module:
+    """The run's model as Hugging Face's LlamaForCausalLM of the same shape, on meta (transformers needed)."""
+    import transformers
+    config = transformers.AutoConfig.for_model(**hf_config_dict(model_config(run.model)))
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
 def full_logits_gib(run: Run) -> Optional[float]:
     """The run's planned peak (GiB) with torchtitan's loss: the whole micro-batch's logits, their
     cross-entropy taken in fp32 (`cross_entropy(pred.flatten(0, 1).float(), ...)`), where zerofunc's models
     compute it chunk by chunk (zerofunc/lm_head.py). Planned on Hugging Face's LlamaForCausalLM of the
-    same shape, whose loss is computed so; None without transformers (an optional extra)."""
-    try:
-        import transformers
-    except ImportError:
+    same shape (`hf_model`), whose loss is computed so; None without transformers (an optional extra)."""
+    if importlib.util.find_spec("transformers") is None:
         return None
-    config = transformers.AutoConfig.for_model(**hf_config_dict(model_config(run.model)))
-
-    def build():
-        with torch.device("meta"):
-            return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    return planned(dataclasses.replace(run, model=build))["gib"]
+    return planned(dataclasses.replace(run, model=functools.partial(hf_model, run)))["gib"]
 
 
 def row(run: Run) -> dict:

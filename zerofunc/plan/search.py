@@ -32,7 +32,7 @@ class MemoryLines:
 
     @classmethod
     def of(cls, one: Simulation, two: Simulation) -> "MemoryLines":
-        t1, t2 = (_device_totals(s.memory.timeline) for s in (one, two))
+        t1, t2 = one.memory.timeline.totals, two.memory.timeline.totals  # sim.memory.Timeline
         if len(t1) != len(t2):
             raise RuntimeError("the step's events differ between micro-batches 1 and 2; cannot extrapolate")
         return cls(2 * t1 - t2, t2 - t1)
@@ -47,13 +47,6 @@ class MemoryLines:
         growing = self.per_sample > 0
         limits = (capacity - self.fixed[growing]) // self.per_sample[growing]
         return min([MAX_MICRO_BATCH, *limits.tolist()])
-
-
-def _device_totals(timeline) -> np.ndarray:
-    """Each sample's device bytes live: a Timeline has them summed already."""
-    if hasattr(timeline, "totals"):
-        return timeline.totals
-    return np.array([sum(v) for _, v, _ in timeline], dtype=np.int64)
 
 
 _SIMULATED: dict[Plan, Simulation] = {}  # this process's simulations (a forked worker inherits them)
