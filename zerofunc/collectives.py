@@ -107,9 +107,12 @@ def gathered(shard: torch.Tensor, group: Group) -> torch.Tensor:
     """Every rank's `shard`, concatenated in rank order (not differentiable: stage 3 differentiates through
     `ReduceScatteredGradient`)."""
     op = group.gather_op
-    if op == "broadcast":  # each rank's slot from it
-        return torch.cat([funcol.broadcast(shard if r == group.rank else torch.empty_like(shard), r, group.name)
-                          for r in range(group.world)])
+    if op == "broadcast":  # each rank's slot from it. Every rank passes its own shard to every broadcast (the
+        # others' are overwritten), not an empty slot: the graphs of all ranks are then one graph, which the
+        # compiler schedules alike everywhere. Where they differed, inductor fused rank 1's copy of its shard
+        # into earlier compute and issued its broadcast before rank 0's: gloo pairs collectives by issue order,
+        # and the ranks hung once the gathers were moved to overlap (zerofunc/comm_schedule.py)
+        return torch.cat([funcol.broadcast(shard, r, group.name) for r in range(group.world)])
     if op == "all_reduce":  # -0.0 in the other ranks' slots: x + -0.0 is x, bit for bit (zerofunc/comm.py)
         def filler(ranks: int) -> torch.Tensor:
             return shard.new_full((ranks * shard.numel(),), -0.0)

@@ -10,21 +10,27 @@ from typing import Callable, Optional
 
 import torch
 
+from zerofunc.collectives import gathered
+
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")  # as the ledger names them (sim/ledger.py)
+MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+           torch.ops.aten.baddbmm.default}
 
 
 @dataclass(frozen=True)
 class Collective:
     """One collective of a graph: `op` as the ledger names it, and its payload as a ledger entry counts it
     (the whole one: a gather's output, a reduce-scatter's input); `scalar` for a 0-dim payload; `functions`,
-    the Python functions its node's stack trace passes through (where the step's code issued it)."""
+    the Python functions its node's stack trace passes through (where the step's code issued it); `overlapped`,
+    the matmuls the graph runs while it is in flight, between its issue and its wait (zerofunc/comm_schedule.py)."""
 
     op: str
     dtype: torch.dtype
     nbytes: int
     scalar: bool
     functions: frozenset = frozenset()
+    overlapped: int = 0
 
 
 @dataclass
@@ -52,8 +58,11 @@ class CompiledGraphs:
     run: a forward or inference graph's as it runs, backward graphs' when the step says its backward has run
     (`backward_ran`), last first. `graphs` keeps every graph read, in the order compiled."""
 
-    def __init__(self, backend: str, bucket_bytes: int, on_run: Callable[[str, list[Collective]], None]):
-        self.backend, self.bucket_bytes, self.on_run = backend, bucket_bytes, on_run
+    def __init__(self, backend: str, bucket_bytes: int, on_run: Callable[[str, list[Collective]], None],
+                 schedule: Optional[Callable[[torch.fx.Graph], None]] = None):
+        # schedule: moves a graph's collectives in place, after bucketing (zerofunc/comm_schedule.py); None:
+        # they stay where traced
+        self.backend, self.bucket_bytes, self.on_run, self.schedule = backend, bucket_bytes, on_run, schedule
         self.graphs: list[GraphCollectives] = []
         self._compiling: Optional[_Compiled] = None
         self._awaiting_backward: list[_Compiled] = []  # ran forward since the last backward_ran
@@ -62,8 +71,11 @@ class CompiledGraphs:
         compiled = self._compiling = _Compiled()
         if self.backend == "inductor":
             from torch._inductor.compile_fx import compile_fx
-            run = compile_fx(gm, example_inputs, config_patches={"post_grad_custom_post_pass": self._post_grad,
-                                                                  "reorder_for_compute_comm_overlap": False})
+            # the collectives stay where the post-grad pass put them: inductor's comm reordering would hoist
+            # every gather; its peak-memory reordering puts each wait back right after its collective
+            run = compile_fx(gm, example_inputs, config_patches={
+                "post_grad_custom_post_pass": self._post_grad, "reorder_for_compute_comm_overlap": False,
+                **({})})
         else:  # traced and partitioned as under inductor (its partitioner recomputes what the policy says), run
             # without codegen: the collectives read, not bucketed
             from torch._dynamo.backends.common import aot_autograd
@@ -71,6 +83,8 @@ class CompiledGraphs:
             from torch._functorch.partitioners import min_cut_rematerialization_partition
 
             def read(g, _inputs):
+                self._schedule(g.graph)
+                g.recompile()
                 self._read(g.graph)
                 return make_boxed_func(g.forward)
             run = aot_autograd(fw_compiler=read, bw_compiler=read, inference_compiler=read,
@@ -94,16 +108,22 @@ class CompiledGraphs:
 
     def _post_grad(self, graph: torch.fx.Graph) -> None:
         """Inductor's post-grad pass: buckets gathers and reduce-scatters up to `bucket_bytes` (adjacent ones
-        only, so every rank issues the same), then reads the graph. A plain callable, not a CustomGraphPass:
-        inductor then bypasses its graph caches for these graphs, so the pass runs, and reads the graphs, on
-        every compile (a cached graph would come back unread)."""
+        only, so every rank issues the same), moves the collectives to overlap (`schedule`), then reads the
+        graph. A plain callable, not a CustomGraphPass: inductor then bypasses its graph caches for these
+        graphs, so the pass runs, and reads the graphs, on every compile (a cached graph would come back
+        unread)."""
         from torch._inductor.fx_passes import bucketing
         cap_mb = lambda _bucket: self.bucket_bytes / 2**20  # noqa: E731
         if self.bucket_bytes:
             bucketing.bucket_all_gather(graph.owning_module, cap_mb)
             if hasattr(bucketing, "bucket_reduce_scatter"):  # not in every torch this runs on
                 bucketing.bucket_reduce_scatter(graph.owning_module, cap_mb)
+        self._schedule(graph)
         self._read(graph)
+
+    def _schedule(self, graph: torch.fx.Graph) -> None:
+        if self.schedule is not None:
+            self.schedule(graph)
 
     def _read(self, graph: torch.fx.Graph) -> None:
         read = read_collectives(graph)
@@ -132,25 +152,56 @@ def read_collectives(graph: torch.fx.Graph) -> GraphCollectives:
     where = {n: i for i, n in enumerate(nodes)}
     collectives, spans = [], []
     for n in nodes:
-        name = getattr(n.target, "__name__", str(n.target))
-        if n.op != "call_function" or "_c10d_functional" not in str(n.target) or "wait" in name:
-            continue
-        op = next((o for o in OPS if name.startswith(o)), None)
+        op = _ledger_op(n)
         if op is None:
-            raise ValueError(f"the compiled step issues {name}, which the ledger has no name for")
+            continue
         payload = n.args[0].meta.get("val") if op == "reduce_scatter" else n.meta.get("val")  # the whole payload
         tensors = [t for t in (payload if isinstance(payload, (list, tuple)) else [payload])
                    if isinstance(t, torch.Tensor)]
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        trace = n.meta.get("stack_trace") or ""
-        functions = frozenset(line.rsplit(" in ", 1)[1].strip() for line in trace.splitlines()
-                              if line.lstrip().startswith("File ") and " in " in line)
-        collectives.append(Collective(op, tensors[0].dtype, nbytes, all(t.dim() == 0 for t in tensors), functions))
+        waits = [where[u] for u in n.users if u.target is WAIT]
+        overlapped = sum(1 for m in nodes[where[n]:min(waits, default=where[n])] if m.target in MATMULS)
+        collectives.append(Collective(op, tensors[0].dtype, nbytes, all(t.dim() == 0 for t in tensors),
+                                      _functions(n), overlapped))
         if op == "all_gather":
             heads = [n] + [a for a in [n.kwargs.get("out")] if isinstance(a, torch.fx.Node)]
             spans.append((where[n], max(_last_alias_use(h, where) for h in heads), nbytes))
     peak = max((sum(b for lo, hi, b in spans if lo <= i <= hi) for i in range(len(nodes))), default=0)
     return GraphCollectives(graph_phase(graph), collectives, peak)
+
+
+def _ledger_op(n: torch.fx.Node) -> Optional[str]:
+    """The ledger's name for the collective `n` issues; None where `n` issues none (a wait is no collective)."""
+    name = getattr(n.target, "__name__", str(n.target))
+    if n.op != "call_function" or "_c10d_functional" not in str(n.target) or "wait" in name:
+        return None
+    op = next((o for o in OPS if name.startswith(o)), None)
+    if op is None:
+        raise ValueError(f"the compiled step issues {name}, which the ledger has no name for")
+    return op
+
+
+def _functions(n: torch.fx.Node) -> frozenset:
+    """The Python functions `n`'s stack trace passes through: where the step's code issued it."""
+    trace = n.meta.get("stack_trace") or ""
+    return frozenset(line.rsplit(" in ", 1)[1].strip() for line in trace.splitlines()
+                     if line.lstrip().startswith("File ") and " in " in line)
+
+
+def is_gather(n: torch.fx.Node) -> bool:
+    """Whether `n` issues (part of) a gather of weights: an all-gather, one of its broadcasts, or the
+    all-reduce that stands in for a small one (zerofunc/collectives.py, `gathered`)."""
+    op = _ledger_op(n)
+    return op in ("all_gather", "broadcast") or (op == "all_reduce" and gathered.__name__ in _functions(n))
+
+
+def is_reduction(n: torch.fx.Node) -> bool:
+    """Whether `n` issues a reduction of a tensor that is no gather's: a gradient's reduce-scatter, or the
+    all-reduce that stands in for it or sums it whole."""
+    if _ledger_op(n) is None or is_gather(n):
+        return False
+    val = n.meta.get("val")
+    return not (isinstance(val, torch.Tensor) and val.dim() == 0)
 
 
 def _last_alias_use(node: torch.fx.Node, where: dict) -> int:

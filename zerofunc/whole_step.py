@@ -7,8 +7,9 @@ How each stage brings a unit's weights into its block, and takes its gradient ou
 
 - stage 3: `all_gather(shard)`, an autograd op whose backward is the reduce-scatter of the block's
   gradient, which is then the shard's gradient. The gather runs under a selective-checkpoint policy that
-  recomputes it instead of saving it (SimpleFSDP's, torchtitan): backward gathers each block again just
-  before its own backward, and no gathered block lives from forward to backward.
+  recomputes it instead of saving it (SimpleFSDP's, torchtitan): backward gathers each block again, the
+  prefetch depth ahead of its own backward (zerofunc/comm_schedule.py), and no gathered block lives from
+  forward to backward.
 - stage 2: the whole weights every rank keeps, through an identity whose backward is the reduce-scatter.
 - stages 0-1: the whole weights, their gradient kept whole until the accumulation boundary, then
   all-reduced (stage 0) or reduce-scattered (stage 1) in the update's graph.
@@ -20,9 +21,10 @@ as tensors, so a new step is no new graph.
 
 The compiler's collective passes are this module's decisions too (zerofunc/compiled_graphs.py): inductor's
 bucketing would merge every gather of the model into one (its cap is 2000 MB) and so hold every block
-gathered at once; here gathers and reduce-scatters are bucketed up to the overlap bucket size, and the
-comm-reordering passes stay off. What the graphs then hold is read back from them (`WholeStep.graphs`):
-tests/test_whole_step.py holds stage 3 to its block and the prefetched one. Each run of a graph writes its
+gathered at once; here gathers and reduce-scatters are bucketed up to the overlap bucket size, the
+comm-reordering passes stay off, and zerofunc/comm_schedule.py moves each gather and reduce-scatter to
+overlap the blocks' compute within ZeRO's bounds. What the graphs then hold is read back from them
+(`WholeStep.graphs`): tests/test_whole_step.py holds stage 3 to its block and the prefetched one. Each run of a graph writes its
 collectives in the communicator's ledger, tagged as the eager step tags the same bytes, so the ledger of a
 step compiled whole is the eager step's (the planner's), bucketed: tests/test_whole_step.py holds it so.
 
@@ -44,6 +46,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from sim.ledger import LedgerEntry
 from zerofunc.binding import installed
+from zerofunc.comm_schedule import overlap
 from zerofunc.compiled_graphs import Collective, CompiledGraphs
 from zerofunc.state import OptimizerState
 from zerofunc.collectives import SCATTER, Group, ReduceScatteredGradient, gathered, scattered_gradient, summed
@@ -146,8 +149,12 @@ class WholeStep:
         backend = os.environ.get("ZEROFUNC_COMPILE_BACKEND") or self.backend
         if backend not in ("inductor", "aot_eager"):
             raise ValueError(f"ZEROFUNC_COMPILE_BACKEND must be inductor or aot_eager, got {backend!r}")
+        # the collectives moved to overlap the blocks' compute (zerofunc/comm_schedule.py): stage 3's gathers, as
+        # many in flight as the eager step prefetches; stages 2-3's reduce-scatters, one in flight
+        schedule = functools.partial(overlap, gather_depth=engine.overlap.prefetch_depth if self.stage.shard_params
+                                     else None, reductions=True) if self.stage.shard_grads else None
         self.graphs = {role: CompiledGraphs(backend, engine.overlap.bucket_bytes,
-                                            functools.partial(self._issued, role))
+                                            functools.partial(self._issued, role), schedule if role == "loss" else None)
                        for role in ("loss", "reduce", "apply")}
         compiled = lambda fn, role: torch.compile(fn, backend=self.graphs[role], dynamic=False)  # noqa: E731
         # the leaves gradients arrive at: the shard (stages 2-3; at stage 2 a placeholder of the shard's size,

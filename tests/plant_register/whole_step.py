@@ -42,4 +42,29 @@ PLANTS: list[Plant] = [
           "the compiled step concatenates a unit's parameter gradients in reverse order: each lands on another "
           "parameter's elements",
           "issue 31", ("tests/test_whole_step.py::test_the_whole_step_trains_like_eager_and_sends_what_it_sends",)),
+    Plant("whole_step_gathers_waited_at_once", "zerofunc/comm_schedule.py",
+          "                _complete_before(completion, None, graph)\n", "                pass\n",
+          "the compiled step waits for each gather where it is issued: the next block's gather, issued before a "
+          "block computes, finishes before that compute starts, and stage 3's prefetch overlaps nothing",
+          "issue 31", ("tests/test_whole_step.py::test_compiled_stage_3_keeps_its_blocks_and_the_prefetched_gathered",)),
+    Plant("whole_step_backward_gathers_unbounded", "zerofunc/comm_schedule.py",
+          "            completion = gathers[k - gather_depth][1]\n", "            completion = gathers[0][1]\n",
+          "the compiled step issues every gather at the start of its graph (inductor's raise_comms, unbounded): "
+          "stage 3 holds the whole model gathered, forward and backward",
+          "issue 31", ("tests/test_whole_step.py::test_compiled_stage_3_keeps_its_blocks_and_the_prefetched_gathered",)),
+    Plant("whole_step_reductions_waited_at_once", "zerofunc/comm_schedule.py",
+          "                _complete_before(completion, issued[0], graph)\n", "                pass\n",
+          "the compiled step waits for each gradient's reduce-scatter where it is issued: stages 2-3 overlap no "
+          "reduction with the next block's backward",
+          "issue 31", ("tests/test_whole_step.py::test_compiled_stage_3_keeps_its_blocks_and_the_prefetched_gathered",)),
+    Plant("whole_step_reductions_issued_late", "zerofunc/comm_schedule.py",
+          "                _issue_after_matmuls(collective, graph)\n", "                pass\n",
+          "the compiled step issues a gradient's reduce-scatter where AOTAutograd left its sums, after the next "
+          "block's matmuls: nothing is left to overlap it with",
+          "issue 31", ("tests/test_whole_step.py::test_compiled_stage_3_keeps_its_blocks_and_the_prefetched_gathered",)),
+    Plant("whole_step_ranks_issue_apart", "zerofunc/collectives.py",
+          "for r in range(group.world)])", "for r in sorted(range(group.world), reverse=group.rank > 0)])",
+          "the ranks of the compiled step issue a gather's broadcasts in different orders (as inductor once "
+          "scheduled them): gloo pairs collectives by issue order, and the ranks hang",
+          "issue 31", ("tests/test_whole_step.py::test_stage_3_compiled_by_inductor_with_gloo_s_ops_trains_like_eager",)),
 ]

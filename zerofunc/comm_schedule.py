@@ -1,0 +1,141 @@
+"""Where a compiled graph's collectives complete: stage 3's prefetch, and stages 2-3's reduce-scatters, made
+to overlap the compute around them.
+
+Dynamo traces a functional collective's wait where the collective is issued, and the concatenation of a
+gather's slots (gloo's broadcasts) right after it; so a gather issued ahead of its block, as the step issues
+the next block's before the current one computes, still finishes before that compute starts; in backward
+each block's gather is recomputed just before its own backward; and each gradient's reduce-scatter is waited
+for before the next block's backward starts. Nothing overlaps. Inductor's comm-reordering passes would move
+them, but without a bound: they hoist every gather to the graph's start (zerofunc/whole_step.py keeps them
+off), and sinking a reduce-scatter's wait to its first use (the graph's output) keeps every block's whole
+gradient alive to the end. This pass moves them within ZeRO's bounds:
+
+1. each gather's completion (its waits, the concatenation, the views of the whole weights) sinks to just
+   before the first node that reads the weights;
+2. each gather is issued no later than just before the completion of the gather `gather_depth` places ahead
+   of it, so that that many are in flight while a block computes: the eager step's prefetch depth;
+3. each reduction is issued as soon as the matmuls of its gradient are done (AOTAutograd may leave a
+   gradient's cheap sums and concatenation until after the next block's matmuls), and
+4. completes just before the next reduction is issued: one block's gradient in flight while the block
+   before it computes its backward, as the eager step overlaps them.
+
+So the bytes gathered at once stay what the eager step holds (the root unit, the computing block and
+`gather_depth` prefetched), which tests/test_whole_step.py reads back from the graphs; the values are
+untouched (nodes move, none changes), which its equivalence test holds. Every rank moves its nodes alike:
+gloo pairs collectives by the order they are issued in."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from zerofunc.compiled_graphs import MATMULS, WAIT, is_gather, is_reduction
+
+
+def _is_collective(n: torch.fx.Node) -> bool:
+    return n.op == "call_function" and "_c10d_functional" in str(n.target) and n.target is not WAIT
+
+
+def _groups(graph: torch.fx.Graph, which: Callable[[torch.fx.Node], bool]) -> list[tuple[list, list]]:
+    """The graph's collectives that `which` picks, in order, each as (its collectives, its completion: the
+    nodes computed from their waits alone), both in graph order. A gather issued as several collectives (one
+    broadcast per rank) is one.
+    Keyed by position, never by anything that differs between processes (an id): every rank moves alike."""
+    nodes = list(graph.nodes)
+    owner: dict[torch.fx.Node, int] = {}  # a collective or completion node: the position of its gather's first
+    for i, n in enumerate(nodes):
+        if _is_collective(n) and which(n):
+            owner[n] = i
+            for w in (u for u in n.users if u.target is WAIT):
+                owner[w] = i
+            continue
+        ins = n.all_input_nodes
+        if n.op != "call_function" or not ins or not all(a in owner and not _is_collective(a) for a in ins):
+            continue
+        first, *others = sorted({owner[a] for a in ins})
+        for m, o in owner.items():  # one completion of several collectives: one gather
+            if o in others:
+                owner[m] = first
+        owner[n] = first
+    gathers: dict[int, tuple[list, list]] = {}
+    for n in nodes:
+        if n in owner:
+            gathers.setdefault(owner[n], ([], []))[0 if _is_collective(n) else 1].append(n)
+    return [gathers[k] for k in sorted(gathers)]
+
+
+def _ancestors_after(node: torch.fx.Node, where: dict, at: int) -> list[torch.fx.Node]:
+    """`node` and the nodes it is computed from that come after position `at`, in graph order."""
+    seen, stack = {node}, [node]
+    while stack:
+        for a in stack.pop().all_input_nodes:
+            if a not in seen and a.op == "call_function" and where[a] > at:
+                seen.add(a)
+                stack.append(a)
+    return sorted(seen, key=where.__getitem__)
+
+
+def _positions(graph: torch.fx.Graph) -> dict[torch.fx.Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def _complete_before(completion: list, limit: torch.fx.Node | None, graph: torch.fx.Graph) -> None:
+    """Move a collective's completion to just before the first node that reads it, or before `limit` if
+    that comes first."""
+    inside = set(completion)
+    where = _positions(graph)
+    stops = [u for c in completion for u in c.users if u not in inside] + ([limit] if limit is not None else [])
+    if stops:
+        first = min(stops, key=where.__getitem__)
+        if where[first] > where[completion[0]]:
+            for c in completion:
+                first.prepend(c)
+
+
+def overlap(graph: torch.fx.Graph, gather_depth: int | None, reductions: bool) -> None:
+    """Move `graph`'s gathers (when `gather_depth` is given) and reductions (when `reductions`) as the module's
+    docstring says, in place."""
+    if gather_depth is not None:
+        gathers = _groups(graph, is_gather)
+        for _, completion in gathers:  # 1. complete each just before its weights are read
+            if completion:
+                _complete_before(completion, None, graph)
+        for k in range(gather_depth, len(gathers)):  # 2. issue each before the completion `depth` ahead of it
+            completion = gathers[k - gather_depth][1]
+            if not completion:
+                continue
+            for collective in gathers[k][0]:
+                where = _positions(graph)
+                if where[collective] > where[completion[0]]:
+                    for n in _ancestors_after(collective, where, where[completion[0]]):
+                        completion[0].prepend(n)
+    if reductions:
+        reduced = _groups(graph, is_reduction)
+        for issued, _ in reduced:  # 3. each reduction issued as soon as the matmuls it reduces are done
+            for collective in issued:
+                _issue_after_matmuls(collective, graph)
+        for (_, completion), (issued, _) in zip(reduced, reduced[1:]):  # 4. completed before the next is issued
+            if completion:
+                _complete_before(completion, issued[0], graph)
+
+
+def _issue_after_matmuls(collective: torch.fx.Node, graph: torch.fx.Graph) -> None:
+    """Move `collective`, and the cheap nodes between it and the last matmul it depends on (a gradient's
+    sums and concatenation, which AOTAutograd may order after the next block's matmuls), to just after that
+    matmul."""
+    where = _positions(graph)
+    tail, stops, stack = {collective}, [], [collective]
+    while stack:
+        for a in stack.pop().all_input_nodes:
+            if a in tail:
+                continue
+            if a.op != "call_function" or a.target in MATMULS or _is_collective(a) or a.target is WAIT:
+                stops.append(a)
+            else:
+                tail.add(a)
+                stack.append(a)
+    if not stops:
+        return
+    last = max(stops, key=where.__getitem__)
+    for n in sorted((n for n in tail if where[n] > where[last]), key=where.__getitem__, reverse=True):
+        last.append(n)
