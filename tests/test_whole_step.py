@@ -117,8 +117,8 @@ def test_stage_3_compiled_by_inductor_with_gloo_s_ops_trains_like_eager():
     rank, each reduce-scatter as an all-reduce, the gathers and reductions moved to overlap compute
     (zerofunc/comm_schedule.py). Within the first test's 1e-5 (inductor's fusions reorder the same fp32
     arithmetic; measured 2026-11-27: losses 6.5e-8, parameters 5.0e-7 apart). The ranks must issue their
-    collectives in one order, which gloo pairs them by: where inductor scheduled one rank's graph apart
-    from the other's (its broadcasts issued in another order), this test hung (tests/plants.py:
+    collectives in one order, which gloo pairs them by: where the overlap pass moved one rank's broadcasts
+    apart from the other's (it had ordered them by id()), this test hung (tests/plants.py:
     whole_step_ranks_issue_apart: a hang is a failure, after gloo's 300 s)."""
     for loss_err, param_err in in_world(2, _stage_3_under_inductor_with_the_stand_ins):
         assert loss_err <= 1e-5, f"losses differ by {loss_err:.1e}"

@@ -108,10 +108,9 @@ def gathered(shard: torch.Tensor, group: Group) -> torch.Tensor:
     `ReduceScatteredGradient`)."""
     op = group.gather_op
     if op == "broadcast":  # each rank's slot from it. Every rank passes its own shard to every broadcast (the
-        # others' are overwritten), not an empty slot: the graphs of all ranks are then one graph, which the
-        # compiler schedules alike everywhere. Where they differed, inductor fused rank 1's copy of its shard
-        # into earlier compute and issued its broadcast before rank 0's: gloo pairs collectives by issue order,
-        # and the ranks hung once the gathers were moved to overlap (zerofunc/comm_schedule.py)
+        # others' are overwritten), not an empty slot: no rank's graph then depends on its rank, and the passes
+        # that move a graph's collectives (zerofunc/comm_schedule.py) move them alike on every rank, as gloo,
+        # which pairs collectives by issue order, needs (one copy of the shard per slot is the cost)
         return torch.cat([funcol.broadcast(shard, r, group.name) for r in range(group.world)])
     if op == "all_reduce":  # -0.0 in the other ranks' slots: x + -0.0 is x, bit for bit (zerofunc/comm.py)
         def filler(ranks: int) -> torch.Tensor:

@@ -64,7 +64,7 @@ PLANTS: list[Plant] = [
           "issue 31", ("tests/test_whole_step.py::test_compiled_stage_3_keeps_its_blocks_and_the_prefetched_gathered",)),
     Plant("whole_step_ranks_issue_apart", "zerofunc/collectives.py",
           "for r in range(group.world)])", "for r in sorted(range(group.world), reverse=group.rank > 0)])",
-          "the ranks of the compiled step issue a gather's broadcasts in different orders (as inductor once "
-          "scheduled them): gloo pairs collectives by issue order, and the ranks hang",
+          "the ranks of the compiled step issue a gather's broadcasts in different orders (as the overlap pass "
+          "once moved them, ordered by id()): gloo pairs collectives by issue order, and the ranks hang",
           "issue 31", ("tests/test_whole_step.py::test_stage_3_compiled_by_inductor_with_gloo_s_ops_trains_like_eager",)),
 ]
