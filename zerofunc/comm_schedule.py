@@ -29,11 +29,7 @@ from typing import Callable
 
 import torch
 
-from zerofunc.compiled_graphs import MATMULS, WAIT, is_gather, is_reduction
-
-
-def _is_collective(n: torch.fx.Node) -> bool:
-    return n.op == "call_function" and "_c10d_functional" in str(n.target) and n.target is not WAIT
+from zerofunc.compiled_graphs import MATMULS, WAIT, is_collective, is_gather, is_reduction
 
 
 def _groups(graph: torch.fx.Graph, which: Callable[[torch.fx.Node], bool]) -> list[tuple[list, list]]:
@@ -44,13 +40,13 @@ def _groups(graph: torch.fx.Graph, which: Callable[[torch.fx.Node], bool]) -> li
     nodes = list(graph.nodes)
     owner: dict[torch.fx.Node, int] = {}  # a collective or completion node: the position of its gather's first
     for i, n in enumerate(nodes):
-        if _is_collective(n) and which(n):
+        if is_collective(n) and which(n):
             owner[n] = i
             for w in (u for u in n.users if u.target is WAIT):
                 owner[w] = i
             continue
         ins = n.all_input_nodes
-        if n.op != "call_function" or not ins or not all(a in owner and not _is_collective(a) for a in ins):
+        if n.op != "call_function" or not ins or not all(a in owner and not is_collective(a) for a in ins):
             continue
         first, *others = sorted({owner[a] for a in ins})
         for m, o in owner.items():  # one completion of several collectives: one gather
@@ -60,7 +56,7 @@ def _groups(graph: torch.fx.Graph, which: Callable[[torch.fx.Node], bool]) -> li
     gathers: dict[int, tuple[list, list]] = {}
     for n in nodes:
         if n in owner:
-            gathers.setdefault(owner[n], ([], []))[0 if _is_collective(n) else 1].append(n)
+            gathers.setdefault(owner[n], ([], []))[0 if is_collective(n) else 1].append(n)
     return [gathers[k] for k in sorted(gathers)]
 
 
@@ -129,7 +125,7 @@ def _issue_after_matmuls(collective: torch.fx.Node, graph: torch.fx.Graph) -> No
         for a in stack.pop().all_input_nodes:
             if a in tail:
                 continue
-            if a.op != "call_function" or a.target in MATMULS or _is_collective(a) or a.target is WAIT:
+            if a.op != "call_function" or a.target in MATMULS or is_collective(a) or a.target is WAIT:
                 stops.append(a)
             else:
                 tail.add(a)

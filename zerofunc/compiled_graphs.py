@@ -188,6 +188,11 @@ def _functions(n: torch.fx.Node) -> frozenset:
                      if line.lstrip().startswith("File ") and " in " in line)
 
 
+def is_collective(n: torch.fx.Node) -> bool:
+    """Whether `n` issues a collective (a wait issues none)."""
+    return _ledger_op(n) is not None
+
+
 def is_gather(n: torch.fx.Node) -> bool:
     """Whether `n` issues (part of) a gather of weights: an all-gather, one of its broadcasts, or the
     all-reduce that stands in for a small one (zerofunc/collectives.py, `gathered`)."""
