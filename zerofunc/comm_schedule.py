@@ -125,7 +125,8 @@ def _issue_after_matmuls(collective: torch.fx.Node, graph: torch.fx.Graph) -> No
         for a in stack.pop().all_input_nodes:
             if a in tail:
                 continue
-            if a.op != "call_function" or a.target in MATMULS or is_collective(a) or a.target is WAIT:
+            if a.op != "call_function" or a.target in MATMULS or is_collective(a) or a.target is WAIT \
+                    or _mutates(a):  # an in-place op moved ahead of a reader of what it writes would change it
                 stops.append(a)
             else:
                 tail.add(a)
@@ -135,3 +136,10 @@ def _issue_after_matmuls(collective: torch.fx.Node, graph: torch.fx.Graph) -> No
     last = max(stops, key=where.__getitem__)
     for n in sorted((n for n in tail if where[n] > where[last]), key=where.__getitem__, reverse=True):
         last.append(n)
+
+
+def _mutates(n: torch.fx.Node) -> bool:
+    """Whether `n` writes into one of its inputs (an aten op's schema says; a Python function such as
+    getitem writes nothing)."""
+    schema = getattr(n.target, "_schema", None)
+    return schema is not None and schema.is_mutable

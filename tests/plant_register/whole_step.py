@@ -67,4 +67,9 @@ PLANTS: list[Plant] = [
           "the ranks of the compiled step issue a gather's broadcasts in different orders (as the overlap pass "
           "once moved them, ordered by id()): gloo pairs collectives by issue order, and the ranks hang",
           "issue 31", ("tests/test_whole_step.py::test_stage_3_compiled_by_inductor_with_gloo_s_ops_trains_like_eager",)),
+    Plant("comm_schedule_moves_in_place_ops", "zerofunc/comm_schedule.py",
+          "                    or _mutates(a):", "                    or False:",
+          "the overlap pass moves a gradient's in-place op (inductor reinplaces index_put) ahead of a node that "
+          "reads the buffer before the write: that node then reads the written value",
+          "issue 31", ("tests/test_comm_schedule.py::test_a_reduction_is_not_issued_ahead_of_an_in_place_write_s_readers",)),
 ]
