@@ -174,13 +174,31 @@ def _stage_3_graphs():
         engine = ZeroEngine(model, STAGES[3], DistCommunicator(link=None), OPTIM,
                             init=lambda n, s: model.init_param(n, s, 0), compile=compile,
                             overlap=Overlap(bucket_bytes=block_bytes))
-        train_step(engine, [batch])
+        if compile:  # inductor's code for the step, as its scheduler ordered it
+            from torch._inductor.utils import run_and_get_code
+            _, code = run_and_get_code(train_step, engine, [batch])
+        else:
+            train_step(engine, [batch])
         volumes.append(sorted(Counter({(e.op, e.tag): 0 for e in engine.comm.ledger}
                                       | _bytes_by_op_and_tag(engine.comm.ledger)).items()))
     root, block = (4 * u.layout.padded_numel for u in (engine.units[0], engine.units[1]))
     graphs = [(g.phase, [(c.op, c.nbytes, c.overlapped) for c in g.collectives], g.peak_gathered_bytes)
               for g in engine.whole.graphs["loss"].graphs]
-    return root, block, graphs, volumes
+    return root, block, graphs, volumes, sum(_in_flight_over_matmuls(c) for c in code)
+
+
+def _in_flight_over_matmuls(code: str) -> int:
+    """How many collectives of inductor's generated `code` have a matmul between their issue and their wait."""
+    import re
+    issued, count = {}, 0
+    for line in code.splitlines():
+        if re.search(r"extern_kernels\.(mm|addmm|bmm|baddbmm)\(", line):
+            issued = {buf: n + 1 for buf, n in issued.items()}
+        elif m := re.search(r"_c10d_functional\.wait_tensor\.default\((\w+)\)", line):
+            count += issued.pop(m.group(1), 0) > 0
+        elif m := re.search(r"(?:(\w+) = )?torch\.ops\._c10d_functional\.\w+\.default\((\w+)", line):
+            issued[m.group(1) or m.group(2)] = 0
+    return count
 
 
 def _bytes_by_op_and_tag(ledger) -> Counter:
@@ -204,7 +222,7 @@ def test_compiled_stage_3_keeps_its_blocks_and_the_prefetched_gathered():
 
     The step's ledger, written as inductor's graphs ran (bucketed), moves the eager step's bytes for each
     collective and tag."""
-    root, block, graphs, (eager_volume, whole_volume) = in_world(2, _stage_3_graphs)[0]
+    root, block, graphs, (eager_volume, whole_volume), in_code = in_world(2, _stage_3_graphs)[0]
     forward, backward = (next(g for g in graphs if g[0] == phase) for phase in ("forward", "backward"))
     gathers = lambda g: [(b, hid) for op, b, hid in g[1] if op == "all_gather"]  # noqa: E731
     units = 1 + SMALL.n_layer
@@ -217,6 +235,9 @@ def test_compiled_stage_3_keeps_its_blocks_and_the_prefetched_gathered():
     assert all(hid > 0 for _, hid in gathers(forward)[2:]), forward[1]
     assert all(hid > 0 for _, hid in gathers(backward)[1:]), backward[1]
     assert all(hid > 0 for hid in reductions[:-1]), backward[1]
+    # and inductor's scheduler keeps that order in the code it generates (its peak-memory reordering, on,
+    # puts each wait back after its collective: tests/plants.py whole_step_waits_reordered_back)
+    assert in_code == sum(hid > 0 for g in (forward, backward) for _, _, hid in g[1]), in_code
     for name, (_, _, peak) in (("forward", forward), ("backward", backward)):
         assert peak <= root + 2 * block, f"{name}: {peak} bytes gathered at once, over the bound ({root + 2 * block})"
     assert whole_volume == eager_volume

@@ -75,7 +75,7 @@ class CompiledGraphs:
             # every gather; its peak-memory reordering puts each wait back right after its collective
             run = compile_fx(gm, example_inputs, config_patches={
                 "post_grad_custom_post_pass": self._post_grad, "reorder_for_compute_comm_overlap": False,
-                **({})})
+                **({"reorder_for_peak_memory": False} if self.schedule is not None else {})})
         else:  # traced and partitioned as under inductor (its partitioner recomputes what the policy says), run
             # without codegen: the collectives read, not bucketed
             from torch._dynamo.backends.common import aot_autograd

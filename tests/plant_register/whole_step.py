@@ -72,4 +72,10 @@ PLANTS: list[Plant] = [
           "the overlap pass moves a gradient's in-place op (inductor reinplaces index_put) ahead of a node that "
           "reads the buffer before the write: that node then reads the written value",
           "issue 31", ("tests/test_comm_schedule.py::test_a_reduction_is_not_issued_ahead_of_an_in_place_write_s_readers",)),
+    Plant("whole_step_waits_reordered_back", "zerofunc/compiled_graphs.py",
+          '**({"reorder_for_peak_memory": False} if self.schedule is not None else {})', "**({})",
+          "inductor's peak-memory reordering stays on for the scheduled graphs: it puts every wait back right after "
+          "its collective, and the code inductor generates overlaps nothing, whatever the pass did to the graph "
+          "(as committed for a while in issue 31's seventh step)",
+          "issue 31", ("tests/test_whole_step.py::test_compiled_stage_3_keeps_its_blocks_and_the_prefetched_gathered",)),
 ]
