@@ -134,7 +134,7 @@ def summed(t: torch.Tensor, group: Group) -> torch.Tensor:
     return funcol.all_reduce(t, "sum", group.name)
 
 
-SCATTER = scattered_gradient.__name__
+SCATTER, GATHER = scattered_gradient.__name__, gathered.__name__  # as a compiled graph's stack traces name them
 
 
 class ReduceScatteredGradient(torch.autograd.Function):

@@ -10,7 +10,7 @@ from typing import Callable, Optional
 
 import torch
 
-from zerofunc.collectives import gathered
+from zerofunc.collectives import GATHER
 
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")  # as the ledger names them (sim/ledger.py)
@@ -197,7 +197,7 @@ def is_gather(n: torch.fx.Node) -> bool:
     """Whether `n` issues (part of) a gather of weights: an all-gather, one of its broadcasts, or the
     all-reduce that stands in for a small one (zerofunc/collectives.py, `gathered`)."""
     op = _ledger_op(n)
-    return op in ("all_gather", "broadcast") or (op == "all_reduce" and gathered.__name__ in _functions(n))
+    return op in ("all_gather", "broadcast") or (op == "all_reduce" and GATHER in _functions(n))
 
 
 def is_reduction(n: torch.fx.Node) -> bool:
