@@ -52,3 +52,47 @@ def test_the_first_reduction_completes_before_the_second_is_issued():
     order = list(g.nodes)
     first_done = next(n for n in order if n.target is c10d.wait_tensor.default)
     assert order.index(first_done) == order.index(second) - 1, [n.name for n in order]
+
+
+def _update_graph(read_old_weights_late: bool = False):
+    """The update's graph at stages 1-2 as dynamo traces it, two units: each unit's AdamW (`new`), the gather
+    of the new weights (a broadcast, waited for at once, the ranks' slots concatenated), and, at the graph's end,
+    functionalization's write-back of the weights. With `read_old_weights_late`, a node before the write-backs
+    reads unit 0's old weights."""
+    g = torch.fx.Graph()
+    weights, moments = [g.placeholder(f"w{k}") for k in range(2)], [g.placeholder(f"m{k}") for k in range(2)]
+    nodes = {}
+    for k in range(2):
+        nodes[f"new{k}"] = new = g.call_function(aten.mul.Tensor, (moments[k], 2.0))
+        nodes[f"issue{k}"] = issue = g.call_function(c10d.broadcast.default, (new, 0, "0"))
+        nodes[f"wait{k}"] = wait = g.call_function(c10d.wait_tensor.default, (issue,))
+        nodes[f"cat{k}"] = g.call_function(aten.cat.default, ([wait, wait],))
+    if read_old_weights_late:
+        nodes["reader"] = g.call_function(aten.add.Tensor, (weights[0], 1.0))
+    for k in range(2):
+        nodes[f"write{k}"] = g.call_function(aten.copy_.default, (weights[k], nodes[f"cat{k}"]))
+    g.output(tuple(nodes[f"write{k}"] for k in range(2)) + ((nodes["reader"],) if read_old_weights_late else ()))
+    return g, nodes
+
+
+def test_the_update_s_gathers_overlap_the_next_unit_s_adamw_and_write_back_at_once():
+    """Unit 0's gather is in flight while unit 1's AdamW computes (tests/plants.py:
+    whole_step_update_gathers_waited_at_once), and its weights are written as soon as it completes, before
+    unit 1's gather is issued, not at the graph's end (whole_step_update_written_back_late): a write-back left
+    at the end keeps every unit's gathered copy alive to it, the whole model twice."""
+    g, n = _update_graph()
+    overlap(g, gather_depth=None, reductions=False, gathers_in_turn=True)
+    g.lint()
+    order = [m.name for m in g.nodes]
+    at = {k: order.index(v.name) for k, v in n.items()}
+    assert at["issue0"] < at["new1"] < at["wait0"], order
+    assert at["cat0"] < at["write0"] < at["issue1"], order
+
+
+def test_a_write_back_stays_after_a_reader_of_the_old_weights():
+    """A node that reads unit 0's old weights after its gather keeps the write-back after it (tests/plants.py:
+    comm_schedule_writes_back_over_a_reader)."""
+    g, n = _update_graph(read_old_weights_late=True)
+    overlap(g, gather_depth=None, reductions=False, gathers_in_turn=True)
+    order = [m.name for m in g.nodes]
+    assert order.index(n["reader"].name) < order.index(n["write0"].name), order

@@ -73,8 +73,13 @@ def _compare_stages():
         rel = lambda a, b: max(abs(x - y) / abs(x) for x, y in zip(a, b))  # noqa: E731
         assert min(eager_norms) > CLIP, f"stage {stage}: a step was not clipped ({eager_norms})"
         sent = lambda e: Counter((x.op, x.dtype, x.nbytes, x.tag) for x in e.comm.ledger)  # noqa: E731
+        # the matmuls each gradient reduction of a backward graph is in flight over (the accumulation
+        # boundary's, at stages 0-1)
+        in_flight = [[c.overlapped for c in g.collectives if not (c.scalar or c.gathers)] for g in whole.whole.graphs["loss"].graphs
+                     if g.phase == "backward" and g.collectives]
         out[stage] = (rel(eager_losses, whole_losses), rel(eager_norms, whole_norms),
-                      max(((wp[n] - ep[n]).norm() / ep[n].norm()).item() for n in ep), sent(eager), sent(whole))
+                      max(((wp[n] - ep[n]).norm() / ep[n].norm()).item() for n in ep), sent(eager), sent(whole),
+                      in_flight)
     return out
 
 
@@ -91,9 +96,16 @@ def test_the_whole_step_trains_like_eager_and_sends_what_it_sends():
     tags over the three steps (aot_eager does not bucket; the inductor test below does). With the paper's
     ops (stages 0 and 2) and with the stand-ins the eager communicator issues on gloo (stages 1 and 3: each
     gather as broadcasts or an all-reduce, each reduce-scatter as an all-reduce), which the compiled step
-    issues alike."""
+    issues alike.
+
+    And each gradient's reduction but the last is in flight over the backward's matmuls of the units before
+    it, at every stage: at stages 0-1 the accumulation boundary's backward reduces each unit's gradient, the
+    earlier micro-batches' sum added (tests/plants.py: whole_step_boundary_drops_accumulated), as its backward
+    ends, where the update's graph reduced them all after backward."""
     for per_stage in in_world(2, _compare_stages):
-        for stage, (loss_err, norm_err, param_err, eager_sent, whole_sent) in per_stage.items():
+        for stage, (loss_err, norm_err, param_err, eager_sent, whole_sent, in_flight) in per_stage.items():
+            assert in_flight and all(all(n > 0 for n in g[:-1]) and len(g) > 1 for g in in_flight), \
+                f"stage {stage}: the backward graphs' reductions are in flight over {in_flight} matmuls"
             assert whole_sent == eager_sent, \
                 f"stage {stage}: only compiled {whole_sent - eager_sent}, only eager {eager_sent - whole_sent}"
             assert loss_err <= 1e-5, f"stage {stage}: losses differ by {loss_err:.1e}"

@@ -121,8 +121,7 @@ def gathered(shard: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 def scattered_gradient(grad: torch.Tensor, group: Group) -> torch.Tensor:
-    """This rank's shard of the sum of every rank's `grad`. The ledger tags a collective issued from here
-    "grads" (zerofunc/whole_step.py reads this function's name from the graph's stack traces)."""
+    """This rank's shard of the sum of every rank's `grad`."""
     if group.scatter_op == "all_reduce":
         n = grad.numel() // group.world
         return funcol.all_reduce(grad, "sum", group.name)[group.rank * n:(group.rank + 1) * n].clone()
@@ -134,14 +133,16 @@ def summed(t: torch.Tensor, group: Group) -> torch.Tensor:
     return funcol.all_reduce(t, "sum", group.name)
 
 
-SCATTER, GATHER = scattered_gradient.__name__, gathered.__name__  # as a compiled graph's stack traces name them
+GATHER = gathered.__name__  # as a compiled graph's stack traces name it: a collective issued from there gathers
 
 
-class ReduceScatteredGradient(torch.autograd.Function):
-    """The whole weights, as they are; their gradient reduce-scattered onto `shard`'s (stages 2-3)."""
+class ReducedGradient(torch.autograd.Function):
+    """The whole weights, as they are; their gradient reduced as the unit's backward ends, with `accumulated`
+    (the accumulation's earlier micro-batches' sum, or None) added first: reduce-scattered onto `leaf`, this
+    rank's shard (`scatter`: stages 1-3), or summed whole onto `leaf`, the whole weights (stage 0)."""
 
     @staticmethod
-    def forward(shard, whole, group):
+    def forward(leaf, whole, group, accumulated, scatter):
         # a copy, not a view: where the model breaks the graph (Hugging Face's GPT-2 does, at a warning) the
         # weights leave a graph as its outputs, and AOTAutograd regenerates an output that aliases an input
         # needing no gradient (stage 2's whole weights) from that input, cutting this function off: no
@@ -151,8 +152,13 @@ class ReduceScatteredGradient(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.group = inputs[2]
+        _, _, ctx.group, accumulated, ctx.scatter = inputs
+        ctx.save_for_backward(accumulated)
 
     @staticmethod
     def backward(ctx, grad):
-        return scattered_gradient(grad, ctx.group), None, None
+        accumulated, = ctx.saved_tensors
+        if accumulated is not None:
+            grad = grad + accumulated
+        reduced = scattered_gradient(grad, ctx.group) if ctx.scatter else summed(grad, ctx.group)
+        return reduced, None, None, None, None

@@ -17,7 +17,12 @@ gradient alive to the end. This pass moves them within ZeRO's bounds:
 3. each reduction is issued as soon as the matmuls of its gradient are done (AOTAutograd may leave a
    gradient's cheap sums and concatenation until after the next block's matmuls), and
 4. completes just before the next reduction is issued: one block's gradient in flight while the block
-   before it computes its backward, as the eager step overlaps them.
+   before it computes its backward, as the eager step overlaps them;
+5. in the update's graph (stages 1-2), where each unit's new weights are gathered as its AdamW ends, each
+   gather completes just before the next is issued: one unit's gather in flight while the next unit's
+   AdamW computes, where dynamo traced each waited for at once; and its write into the weights (the graph's
+   input, which functionalization writes at the graph's end) follows at once, so that no unit's gathered
+   copy is kept to the end, which would hold the whole model twice.
 
 So the bytes gathered at once stay what the eager step holds (the root unit, the computing block and
 `gather_depth` prefetched), which tests/test_whole_step.py reads back from the graphs; the values are
@@ -88,9 +93,9 @@ def _complete_before(completion: list, limit: torch.fx.Node | None, graph: torch
                 first.prepend(c)
 
 
-def overlap(graph: torch.fx.Graph, gather_depth: int | None, reductions: bool) -> None:
-    """Move `graph`'s gathers (when `gather_depth` is given) and reductions (when `reductions`) as the module's
-    docstring says, in place."""
+def overlap(graph: torch.fx.Graph, gather_depth: int | None, reductions: bool, gathers_in_turn: bool = False) -> None:
+    """Move `graph`'s gathers (1-2, when `gather_depth` is given; 5, when `gathers_in_turn`) and reductions (3-4,
+    when `reductions`) as the module's docstring says, in place."""
     if gather_depth is not None:
         gathers = _groups(graph, is_gather)
         for _, completion in gathers:  # 1. complete each just before its weights are read
@@ -110,9 +115,20 @@ def overlap(graph: torch.fx.Graph, gather_depth: int | None, reductions: bool) -
         for issued, _ in reduced:  # 3. each reduction issued as soon as the matmuls it reduces are done
             for collective in issued:
                 _issue_after_matmuls(collective, graph)
-        for (_, completion), (issued, _) in zip(reduced, reduced[1:]):  # 4. completed before the next is issued
-            if completion:
-                _complete_before(completion, issued[0], graph)
+        _in_turn(reduced, graph)  # 4. completed before the next is issued
+    if gathers_in_turn:  # 5.
+        gathers = _groups(graph, is_gather)
+        _in_turn(gathers, graph)
+        for _, completion in gathers:
+            _written_back_at_once(completion, graph)
+
+
+def _in_turn(collectives: list[tuple[list, list]], graph: torch.fx.Graph) -> None:
+    """Each of `collectives` (from `_groups`) completes just before the next is issued, or before its first
+    reader if that comes first."""
+    for (_, completion), (issued, _) in zip(collectives, collectives[1:]):
+        if completion:
+            _complete_before(completion, issued[0], graph)
 
 
 def _issue_after_matmuls(collective: torch.fx.Node, graph: torch.fx.Graph) -> None:
@@ -143,3 +159,16 @@ def _mutates(n: torch.fx.Node) -> bool:
     getitem writes nothing)."""
     schema = getattr(n.target, "_schema", None)
     return schema is not None and schema.is_mutable
+
+
+def _written_back_at_once(completion: list, graph: torch.fx.Graph) -> None:
+    """Move each write of `completion` into a graph input (`copy_`, functionalization's write-back of a mutated
+    input) to just after the node it copies, unless a node before its place reads that input after it."""
+    for c in completion:
+        for write in [u for u in c.users if u.target is torch.ops.aten.copy_.default and u.args[1] is c]:
+            dest = write.args[0]
+            where = _positions(graph)
+            if dest.op != "placeholder" or where[write] < where[c]:
+                continue
+            if all(where[r] < where[c] for r in dest.users if r is not write):
+                c.append(write)

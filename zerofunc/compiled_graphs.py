@@ -32,6 +32,11 @@ class Collective:
     functions: frozenset = frozenset()
     overlapped: int = 0
 
+    @property
+    def gathers(self) -> bool:
+        """Whether it is (part of) a gather of weights, as `is_gather` tells from its node; else a reduction."""
+        return self.op in ("all_gather", "broadcast") or (self.op == "all_reduce" and GATHER in self.functions)
+
 
 @dataclass
 class GraphCollectives:

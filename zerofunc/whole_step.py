@@ -11,8 +11,10 @@ How each stage brings a unit's weights into its block, and takes its gradient ou
   prefetch depth ahead of its own backward (zerofunc/comm_schedule.py), and no gathered block lives from
   forward to backward.
 - stage 2: the whole weights every rank keeps, through an identity whose backward is the reduce-scatter.
-- stages 0-1: the whole weights, their gradient kept whole until the accumulation boundary, then
-  all-reduced (stage 0) or reduce-scattered (stage 1) in the update's graph.
+- stages 0-1: the whole weights, their gradient kept whole over the accumulation's micro-batches; in the
+  boundary micro-batch's backward, the earlier ones' sum is added and the whole is all-reduced (stage 0) or
+  reduce-scattered (stage 1) as the unit's backward ends, as the eager step reduces it, to overlap the
+  backward of the units before it.
 
 The update is two graphs around one host read, as the eager optimizer's: the reduced gradients and their
 global norm (a non-finite norm skips the step, as eager's does), then clipping, AdamW on this rank's fp32
@@ -49,7 +51,7 @@ from zerofunc.binding import installed
 from zerofunc.comm_schedule import overlap
 from zerofunc.compiled_graphs import Collective, CompiledGraphs
 from zerofunc.state import OptimizerState
-from zerofunc.collectives import SCATTER, Group, ReduceScatteredGradient, gathered, scattered_gradient, summed
+from zerofunc.collectives import Group, ReducedGradient, gathered, summed
 
 
 
@@ -82,7 +84,7 @@ def _recompute_gathers(ctx, func, *args, **kwargs):
 
 def _gathered_with_gradient(shard: torch.Tensor, group: Group) -> torch.Tensor:
     """Stage 3: every rank's shard, whole; its gradient reduce-scattered onto this rank's shard."""
-    return ReduceScatteredGradient.apply(shard, gathered(shard.detach(), group), group)
+    return ReducedGradient.apply(shard, gathered(shard.detach(), group), group, None, True)
 
 
 class _Unflattened(torch.autograd.Function):
@@ -150,18 +152,25 @@ class WholeStep:
         if backend not in ("inductor", "aot_eager"):
             raise ValueError(f"ZEROFUNC_COMPILE_BACKEND must be inductor or aot_eager, got {backend!r}")
         # the collectives moved to overlap the blocks' compute (zerofunc/comm_schedule.py): stage 3's gathers, as
-        # many in flight as the eager step prefetches; stages 2-3's reduce-scatters, one in flight
+        # many in flight as the eager step prefetches; the gradients' reductions, one in flight
         schedule = functools.partial(overlap, gather_depth=engine.overlap.prefetch_depth if self.stage.shard_params
-                                     else None, reductions=True) if self.stage.shard_grads else None
+                                     else None, reductions=True)
+        schedules = {"loss": schedule, "reduce": None, "apply": functools.partial(
+            overlap, gather_depth=None, reductions=False, gathers_in_turn=True)}  # stages 1-2's new weights
         self.graphs = {role: CompiledGraphs(backend, engine.overlap.bucket_bytes,
-                                            functools.partial(self._issued, role), schedule if role == "loss" else None)
+                                            functools.partial(self._issued, role), schedules[role])
                        for role in ("loss", "reduce", "apply")}
         compiled = lambda fn, role: torch.compile(fn, backend=self.graphs[role], dynamic=False)  # noqa: E731
-        # the leaves gradients arrive at: the shard (stages 2-3; at stage 2 a placeholder of the shard's size,
-        # since the weights the forward uses are the whole ones), the whole weights (stages 0-1)
-        self.leaves = {u.name: (torch.zeros_like(u.master, dtype=u.params.dtype) if self.stage.shard_grads
+        # the leaves the reduced gradients arrive at: the shard (stages 1-3; at stages 1-2 a placeholder of the
+        # shard's size, since the weights the forward uses are the whole ones), the whole weights (stage 0)
+        self.leaves = {u.name: (torch.zeros_like(u.master, dtype=u.params.dtype) if self.stage.shard_optimizer
                                 and not self.stage.shard_params else u.params.detach()).requires_grad_()
                        for u in engine.units}
+        # stages 0-1: the leaves the micro-batches before the accumulation boundary sum their gradients into
+        self.accumulating = {} if self.stage.shard_grads else \
+            {u.name: self.leaves[u.name] if not self.stage.shard_optimizer else u.params.detach().requires_grad_()
+             for u in engine.units}
+        self._accumulated: Optional[dict[str, Optional[torch.Tensor]]] = None  # the boundary's, while it runs
         self._master_spans = [_span_in(u.master, u.params) for u in engine.units]
         self._prefetched: dict[str, dict[str, torch.Tensor]] = {}
         # set in the caller's blocks while the step's forward runs (zerofunc/binding.py)
@@ -175,9 +184,8 @@ class WholeStep:
         (zerofunc/gather.py, reduction.py, sharded_optim.py). The step waits for a scalar (the norm) at once."""
         comm = self.engine.comm
         for c in collectives:
-            if role == "loss":  # a gradient's reduce-scatter (or its stand-in), else a gather (or its stand-ins)
-                tag = "grads" if c.op == "reduce_scatter" or SCATTER in c.functions else \
-                    "params.bwd" if phase == "backward" else "params.fwd"
+            if role == "loss":  # a gather (or its stand-ins), else a gradient's reduction (or its stand-in)
+                tag = "grads" if not c.gathers else "params.bwd" if phase == "backward" else "params.fwd"
             else:
                 tag = ("grad_norm" if c.scalar else "grads") if role == "reduce" else "params.step"
             comm.ledger.append(LedgerEntry(c.op, str(c.dtype).removeprefix("torch."), c.nbytes, self.world, tag,
@@ -191,9 +199,12 @@ class WholeStep:
             whole = checkpoint(_gathered_with_gradient, leaf, group, use_reentrant=False, preserve_rng_state=False,
                                context_fn=functools.partial(create_selective_checkpoint_contexts, _recompute_gathers))
         elif self.stage.shard_grads:
-            whole = ReduceScatteredGradient.apply(leaf, unit.params, group)
-        else:
-            whole = leaf
+            whole = ReducedGradient.apply(leaf, unit.params, group, None, True)
+        elif self._accumulated is None:  # stages 0-1 before the accumulation boundary: summed on the leaf
+            whole = self.accumulating[unit.name]
+        else:  # the boundary: the earlier micro-batches' sum added, and the whole reduced (summed at stage 0)
+            whole = ReducedGradient.apply(leaf, unit.params, group, self._accumulated[unit.name],
+                                          self.stage.shard_optimizer)
         slots = unit.layout.slots
         return dict(zip((s.name for s in slots), _Unflattened.apply(whole, tuple((s.numel, s.shape) for s in slots))))
 
@@ -213,19 +224,22 @@ class WholeStep:
                 return forward(*args, **kwargs)
         return run
 
-    def _loss_eager(self, args: tuple, kwargs: dict) -> torch.Tensor:
+    def _loss_eager(self, args: tuple, kwargs: dict, accumulated: Optional[dict]) -> torch.Tensor:
         from zerofunc.step import loss_of
         root = self.engine._root
         self._prefetched = {}  # stage 3: blocks gathered ahead of their forward, by name
+        self._accumulated = accumulated
         views = self._whole_weights(root) if root is not None else {}
         loss = loss_of(functional_call(self.engine.model, views, args, kwargs, strict=False)).float()
-        self._prefetched = {}
+        self._prefetched, self._accumulated = {}, None
         return loss
 
-    def loss(self, args: tuple, kwargs: dict) -> torch.Tensor:
-        """The model's loss on one micro-batch, through the compiled forward (also for evaluation)."""
+    def loss(self, args: tuple, kwargs: dict, accumulated: Optional[dict] = None) -> torch.Tensor:
+        """The model's loss on one micro-batch, through the compiled forward (also for evaluation).
+        `accumulated`, at stages 0-1: the accumulation boundary's micro-batch, whose backward reduces each
+        unit's gradient with these earlier micro-batches' sums (None for a unit: none before it)."""
         with installed(self._forwards):
-            return self._loss(tuple(args), dict(kwargs))
+            return self._loss(tuple(args), dict(kwargs), accumulated)
 
     # ---- the step ---------------------------------------------------------------------------------------
     def __call__(self, state: OptimizerState, micro_batches: Sequence,
@@ -234,9 +248,14 @@ class WholeStep:
         micro-batches' losses."""
         extra = {} if num_items is None else {"num_items_in_batch": num_items}
         total = None
-        for batch in micro_batches:
+        for i, batch in enumerate(micro_batches):
             args, kwargs = ((), {**batch, **extra}) if isinstance(batch, dict) else (tuple(batch), extra)
-            loss = self.loss(args, kwargs)
+            accumulated = None
+            if i == len(micro_batches) - 1 and not self.stage.shard_grads:  # stages 0-1: reduced in this backward
+                accumulated = {name: leaf.grad for name, leaf in self.accumulating.items()}
+                for leaf in self.accumulating.values():
+                    leaf.grad = None
+            loss = self.loss(args, kwargs, accumulated)
             (loss / len(micro_batches)).backward()
             self.graphs["loss"].backward_ran()
             total = loss.detach() if total is None else total + loss.detach()
@@ -266,12 +285,8 @@ class WholeStep:
         """Each unit's gradient of this rank's shard (stages 1-3) or whole (stage 0), averaged over the
         ranks; and their global norm. The sums are divided here, once, for every stage."""
         out, squares = [], []
-        for unit, g in zip(self.engine.units, grads):
-            if self.stage.shard_optimizer and not self.stage.shard_grads:  # stage 1: at the boundary, as eager
-                g = scattered_gradient(g, self.groups[unit.name])
-            elif not self.stage.shard_optimizer:  # stage 0
-                g = summed(g, self.ranks)
-            g = g / self.world  # summed: here, or by backward's reduce-scatters (stages 2-3)
+        for g in grads:
+            g = g / self.world  # summed by backward's reductions
             out.append(g)
             squares.append(torch.linalg.vector_norm(g, dtype=torch.float32).square())
         total = torch.stack(squares).sum()
@@ -291,12 +306,18 @@ class WholeStep:
                 # alone (two aliasing inputs, one written, would be copied whole on every step)
                 master = unit.params[span[0]:span[1]] if span is not None else unit.master
                 g = g.float() * factor
-                master.mul_(1 - lr * cfg.weight_decay)
                 unit.m.lerp_(g, 1 - beta1)
                 unit.v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
                 denom = (unit.v.sqrt() / torch.sqrt(1 - beta2 ** step)).add_(cfg.eps)
-                master.sub_(unit.m / denom * (lr / (1 - beta1 ** step)))
-                if self.stage.shard_optimizer and not self.stage.shard_params:
-                    unit.params.copy_(gathered(master.to(unit.params.dtype), self.groups[unit.name]))
+                new = master * (1 - lr * cfg.weight_decay) - unit.m / denom * (lr / (1 - beta1 ** step))
+                gathering = self.stage.shard_optimizer and not self.stage.shard_params
+                # the new master as a value, written once: at stages 1-2 an fp32 master is this rank's slot of the
+                # weights, which the gather writes whole. Written in place first, it would be a slice of the
+                # weights mutated, which functionalization makes a fresh copy of the whole weights (a 30m
+                # block's 20 MB, read and written twice a step)
+                if span is None or not gathering:
+                    master.copy_(new)
+                if gathering:
+                    unit.params.copy_(gathered(new.to(unit.params.dtype), self.groups[unit.name]))
                 elif span is None:  # 16-bit weights: the master's new rounding
                     unit.params.copy_(master)

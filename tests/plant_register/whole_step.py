@@ -53,9 +53,10 @@ PLANTS: list[Plant] = [
           "stage 3 holds the whole model gathered, forward and backward",
           "issue 31", ("tests/test_whole_step.py::test_compiled_stage_3_keeps_its_blocks_and_the_prefetched_gathered",)),
     Plant("whole_step_reductions_waited_at_once", "zerofunc/comm_schedule.py",
-          "                _complete_before(completion, issued[0], graph)\n", "                pass\n",
-          "the compiled step waits for each gradient's reduce-scatter where it is issued: stages 2-3 overlap no "
-          "reduction with the next block's backward",
+          "            _complete_before(completion, issued[0], graph)\n", "            pass\n",
+          "the compiled step waits for each gradient's reduction where it is issued: no stage overlaps a "
+          "reduction with the next block's backward (nor, at stages 1-2, a gather of new weights with the next "
+          "unit's AdamW)",
           "issue 31", ("tests/test_whole_step.py::test_compiled_stage_3_keeps_its_blocks_and_the_prefetched_gathered",)),
     Plant("whole_step_reductions_issued_late", "zerofunc/comm_schedule.py",
           "                _issue_after_matmuls(collective, graph)\n", "                pass\n",
@@ -78,4 +79,30 @@ PLANTS: list[Plant] = [
           "its collective, and the code inductor generates overlaps nothing, whatever the pass did to the graph "
           "(as committed for a while in issue 31's seventh step)",
           "issue 31", ("tests/test_whole_step.py::test_compiled_stage_3_keeps_its_blocks_and_the_prefetched_gathered",)),
+    Plant("whole_step_boundary_drops_accumulated", "zerofunc/collectives.py",
+          "            grad = grad + accumulated\n", "            grad = grad\n",
+          "stages 0-1 compiled whole reduce, in the accumulation boundary's backward, that micro-batch's gradient "
+          "alone: the earlier micro-batches' are dropped",
+          "issue 31", ("tests/test_whole_step.py::test_the_whole_step_trains_like_eager_and_sends_what_it_sends",)),
+    Plant("whole_step_boundary_reductions_not_overlapped", "zerofunc/whole_step.py",
+          'schedules = {"loss": schedule,', 'schedules = {"loss": schedule if self.stage.shard_grads else None,',
+          "stages 0-1 compiled whole wait for each gradient's reduction where it is issued, in the boundary's "
+          "backward: none overlaps the backward of the units before it",
+          "issue 31", ("tests/test_whole_step.py::test_the_whole_step_trains_like_eager_and_sends_what_it_sends",)),
+    Plant("whole_step_update_gathers_waited_at_once", "zerofunc/comm_schedule.py",
+          "        _in_turn(gathers, graph)\n", "        pass\n",
+          "the update's graph (stages 1-2) waits for each unit's gather of new weights where it is issued: none "
+          "overlaps the next unit's AdamW",
+          "issue 31", ("tests/test_comm_schedule.py::test_the_update_s_gathers_overlap_the_next_unit_s_adamw_and_write_back_at_once",)),
+    Plant("whole_step_update_written_back_late", "zerofunc/comm_schedule.py",
+          "            _written_back_at_once(completion, graph)\n", "            pass\n",
+          "the update's graph (stages 1-2) writes each unit's gathered weights back at its end: every unit's gathered "
+          "copy lives to it, the whole model twice",
+          "issue 31", ("tests/test_comm_schedule.py::test_the_update_s_gathers_overlap_the_next_unit_s_adamw_and_write_back_at_once",)),
+    Plant("comm_schedule_writes_back_over_a_reader", "zerofunc/comm_schedule.py",
+          "            if all(where[r] < where[c] for r in dest.users if r is not write):",
+          "            if True:",
+          "the overlap pass moves a write-back of new weights ahead of a node that reads the old ones: that node "
+          "reads the new",
+          "issue 31", ("tests/test_comm_schedule.py::test_a_write_back_stays_after_a_reader_of_the_old_weights",)),
 ]
