@@ -11,10 +11,13 @@ How each stage brings a unit's weights into its block, and takes its gradient ou
   prefetch depth ahead of its own backward (zerofunc/comm_schedule.py), and no gathered block lives from
   forward to backward.
 - stage 2: the whole weights every rank keeps, through an identity whose backward is the reduce-scatter.
-- stages 0-1: the whole weights, their gradient kept whole over the accumulation's micro-batches; in the
-  boundary micro-batch's backward, the earlier ones' sum is added and the whole is all-reduced (stage 0) or
-  reduce-scattered (stage 1) as the unit's backward ends, as the eager step reduces it, to overlap the
-  backward of the units before it.
+- stages 0-1: the whole weights, their gradient kept whole over the accumulation's micro-batches, then
+  all-reduced (stage 0) or reduce-scattered (stage 1), where `reduces_in_backward` says: on a GPU in the
+  boundary micro-batch's backward, the earlier ones' sum added, as each unit's backward ends (as the eager
+  step reduces it), to overlap the backward of the units before it (with accumulation, the boundary's graph
+  is a second one to compile); on a CPU after backward, in the update's graph, where gloo's threads would
+  share the cores backward computes on (docs/BENCHMARKS.md, issue 31's eighth step: 30m stage 0 compiled
+  whole 1.06-1.11x eager's step in backward, 0.90 after).
 
 The update is two graphs around one host read, as the eager optimizer's: the reduced gradients and their
 global norm (a non-finite norm skips the step, as eager's does), then clipping, AdamW on this rank's fp32
@@ -51,7 +54,7 @@ from zerofunc.binding import installed
 from zerofunc.comm_schedule import overlap
 from zerofunc.compiled_graphs import Collective, CompiledGraphs
 from zerofunc.state import OptimizerState
-from zerofunc.collectives import Group, ReducedGradient, gathered, summed
+from zerofunc.collectives import Group, ReducedGradient, gathered, scattered_gradient, summed
 
 
 
@@ -131,6 +134,8 @@ class WholeStep:
     # tests trace with "aot_eager": the same graphs, partitioned, without codegen; ZEROFUNC_COMPILE_BACKEND=aot_eager
     # does so in the trainer's ranks (a first look at a new model, where inductor's C++ costs minutes on a CPU)
     backend = "inductor"
+    # stages 0-1: whether the gradients are reduced in backward (see the module's docstring); None: on a GPU
+    reduce_in_backward: Optional[bool] = None
 
     def __init__(self, engine):
         why = refusal(engine.offload is not None, engine.replicas is not None, engine.gathering.secondary is not None,
@@ -147,27 +152,32 @@ class WholeStep:
         self.ranks = ranks = Group(group.group_name, engine.comm.rank, engine.comm.world_size)
         self.groups = {u.name: ranks.ops(u.layout.padded_numel * u.params.element_size(), engine.comm.link)
                        for u in engine.units}
+        in_backward = self.reduce_in_backward if self.reduce_in_backward is not None else \
+            engine.units[0].params.device.type == "cuda"
+        self.reduces_in_backward = self.stage.shard_grads or in_backward
         # each function's graphs, read as compiled and counted into the ledger as they run
         backend = os.environ.get("ZEROFUNC_COMPILE_BACKEND") or self.backend
         if backend not in ("inductor", "aot_eager"):
             raise ValueError(f"ZEROFUNC_COMPILE_BACKEND must be inductor or aot_eager, got {backend!r}")
         # the collectives moved to overlap the blocks' compute (zerofunc/comm_schedule.py): stage 3's gathers, as
         # many in flight as the eager step prefetches; the gradients' reductions, one in flight
-        schedule = functools.partial(overlap, gather_depth=engine.overlap.prefetch_depth if self.stage.shard_params
-                                     else None, reductions=True)
-        schedules = {"loss": schedule, "reduce": None, "apply": functools.partial(
-            overlap, gather_depth=None, reductions=False, gathers_in_turn=True)}  # stages 1-2's new weights
+        schedules = {"loss": functools.partial(overlap, gather_depth=engine.overlap.prefetch_depth
+                                               if self.stage.shard_params else None, reductions=True)
+                     if self.reduces_in_backward else None, "reduce": None,
+                     "apply": functools.partial(overlap, gather_depth=None, reductions=False, gathers_in_turn=True)
+                     if self.stage.shard_optimizer and not self.stage.shard_params else None}  # the new weights'
         self.graphs = {role: CompiledGraphs(backend, engine.overlap.bucket_bytes,
                                             functools.partial(self._issued, role), schedules[role])
                        for role in ("loss", "reduce", "apply")}
         compiled = lambda fn, role: torch.compile(fn, backend=self.graphs[role], dynamic=False)  # noqa: E731
-        # the leaves the reduced gradients arrive at: the shard (stages 1-3; at stages 1-2 a placeholder of the
-        # shard's size, since the weights the forward uses are the whole ones), the whole weights (stage 0)
+        # the leaves backward's gradients arrive at: the shard (stage 3; at stages 1-2, when reduced in backward,
+        # a placeholder of the shard's size, since the weights the forward uses are the whole ones), else the
+        # whole weights
         self.leaves = {u.name: (torch.zeros_like(u.master, dtype=u.params.dtype) if self.stage.shard_optimizer
-                                and not self.stage.shard_params else u.params.detach()).requires_grad_()
-                       for u in engine.units}
-        # stages 0-1: the leaves the micro-batches before the accumulation boundary sum their gradients into
-        self.accumulating = {} if self.stage.shard_grads else \
+                                and not self.stage.shard_params and self.reduces_in_backward
+                                else u.params.detach()).requires_grad_() for u in engine.units}
+        # stages 0-1 reduced in backward: the leaves the micro-batches before the boundary sum their gradients into
+        self.accumulating = {} if self.stage.shard_grads or not self.reduces_in_backward else \
             {u.name: self.leaves[u.name] if not self.stage.shard_optimizer else u.params.detach().requires_grad_()
              for u in engine.units}
         self._accumulated: Optional[dict[str, Optional[torch.Tensor]]] = None  # the boundary's, while it runs
@@ -200,8 +210,8 @@ class WholeStep:
                                context_fn=functools.partial(create_selective_checkpoint_contexts, _recompute_gathers))
         elif self.stage.shard_grads:
             whole = ReducedGradient.apply(leaf, unit.params, group, None, True)
-        elif self._accumulated is None:  # stages 0-1 before the accumulation boundary: summed on the leaf
-            whole = self.accumulating[unit.name]
+        elif self._accumulated is None:  # stages 0-1 before the accumulation boundary, or reduced after backward
+            whole = self.accumulating.get(unit.name, leaf)
         else:  # the boundary: the earlier micro-batches' sum added, and the whole reduced (summed at stage 0)
             whole = ReducedGradient.apply(leaf, unit.params, group, self._accumulated[unit.name],
                                           self.stage.shard_optimizer)
@@ -251,7 +261,7 @@ class WholeStep:
         for i, batch in enumerate(micro_batches):
             args, kwargs = ((), {**batch, **extra}) if isinstance(batch, dict) else (tuple(batch), extra)
             accumulated = None
-            if i == len(micro_batches) - 1 and not self.stage.shard_grads:  # stages 0-1: reduced in this backward
+            if i == len(micro_batches) - 1 and self.accumulating:  # stages 0-1: reduced in this backward
                 accumulated = {name: leaf.grad for name, leaf in self.accumulating.items()}
                 for leaf in self.accumulating.values():
                     leaf.grad = None
@@ -285,8 +295,10 @@ class WholeStep:
         """Each unit's gradient of this rank's shard (stages 1-3) or whole (stage 0), averaged over the
         ranks; and their global norm. The sums are divided here, once, for every stage."""
         out, squares = [], []
-        for g in grads:
-            g = g / self.world  # summed by backward's reductions
+        for unit, g in zip(self.engine.units, grads):
+            if not self.reduces_in_backward:  # stages 0-1, here: at the boundary, after backward
+                g = scattered_gradient(g, self.groups[unit.name]) if self.stage.shard_optimizer else summed(g, self.ranks)
+            g = g / self.world  # summed: here, or by backward's reductions
             out.append(g)
             squares.append(torch.linalg.vector_norm(g, dtype=torch.float32).square())
         total = torch.stack(squares).sum()

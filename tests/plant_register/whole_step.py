@@ -85,7 +85,7 @@ PLANTS: list[Plant] = [
           "alone: the earlier micro-batches' are dropped",
           "issue 31", ("tests/test_whole_step.py::test_the_whole_step_trains_like_eager_and_sends_what_it_sends",)),
     Plant("whole_step_boundary_reductions_not_overlapped", "zerofunc/whole_step.py",
-          'schedules = {"loss": schedule,', 'schedules = {"loss": schedule if self.stage.shard_grads else None,',
+          "                     if self.reduces_in_backward else None", "                     if self.stage.shard_grads else None",
           "stages 0-1 compiled whole wait for each gradient's reduction where it is issued, in the boundary's "
           "backward: none overlaps the backward of the units before it",
           "issue 31", ("tests/test_whole_step.py::test_the_whole_step_trains_like_eager_and_sends_what_it_sends",)),
