@@ -152,6 +152,7 @@ class WholeStep:
         self.ranks = ranks = Group(group.group_name, engine.comm.rank, engine.comm.world_size)
         self.groups = {u.name: ranks.ops(u.layout.padded_numel * u.params.element_size(), engine.comm.link)
                        for u in engine.units}
+        # where stages 0-1 reduce (the module's docstring): in backward on a GPU, after it on a CPU
         in_backward = self.reduce_in_backward if self.reduce_in_backward is not None else \
             engine.units[0].params.device.type == "cuda"
         self.reduces_in_backward = self.stage.shard_grads or in_backward
