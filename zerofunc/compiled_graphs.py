@@ -34,8 +34,8 @@ class Collective:
 
     @property
     def gathers(self) -> bool:
-        """Whether it is (part of) a gather of weights, as `is_gather` tells from its node; else a reduction."""
-        return self.op in ("all_gather", "broadcast") or (self.op == "all_reduce" and GATHER in self.functions)
+        """Whether it is (part of) a gather of weights; else a reduction."""
+        return _gathers(self.op, self.functions)
 
 
 @dataclass
@@ -202,7 +202,13 @@ def is_gather(n: torch.fx.Node) -> bool:
     """Whether `n` issues (part of) a gather of weights: an all-gather, one of its broadcasts, or the
     all-reduce that stands in for a small one (zerofunc/collectives.py, `gathered`)."""
     op = _ledger_op(n)
-    return op in ("all_gather", "broadcast") or (op == "all_reduce" and GATHER in _functions(n))
+    return op is not None and _gathers(op, _functions(n))
+
+
+def _gathers(op: str, functions: frozenset) -> bool:
+    """A collective `op` issued through `functions` gathers weights: an all-gather, a broadcast, or the
+    all-reduce that stands in for a small all-gather (zerofunc/collectives.py, `gathered`)."""
+    return op in ("all_gather", "broadcast") or (op == "all_reduce" and GATHER in functions)
 
 
 def is_reduction(n: torch.fx.Node) -> bool:

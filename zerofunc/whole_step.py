@@ -39,7 +39,6 @@ activation checkpointing, an fp32 reduction of 16-bit gradients) are refused in 
 from __future__ import annotations
 
 import functools
-import logging
 import os
 from typing import Optional, Sequence
 
@@ -47,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.func import functional_call
 from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from sim.ledger import LedgerEntry
 from zerofunc.binding import installed
@@ -55,6 +54,7 @@ from zerofunc.comm_schedule import overlap
 from zerofunc.compiled_graphs import Collective, CompiledGraphs
 from zerofunc.state import OptimizerState
 from zerofunc.collectives import Group, ReducedGradient, gathered, scattered_gradient, summed
+from zerofunc.whole_weights import Unflattened, gathered_with_gradient, recompute_gathers, span_in
 
 
 
@@ -66,65 +66,6 @@ def refusal(offload: bool, hybrid: bool, hpz: bool, fp16: bool, checkpointing: b
               reduce_upcast}
     named = [name for name, on in levers.items() if on]
     return f"--compile whole does not support {', '.join(named)} yet: use --compile blocks" if named else None
-
-
-class _KnownCheckpointWarning(logging.Filter):
-    """torch warns that a checkpointed region with a context_fn must hold no in-place op: stage 3's region
-    holds one gather, nothing in place, so every rank's log need not say it."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "context_fn is passed to torch.utils.checkpoint" not in record.getMessage()
-
-
-logging.getLogger("torch._higher_order_ops.wrap").addFilter(_KnownCheckpointWarning())
-
-
-def _recompute_gathers(ctx, func, *args, **kwargs):
-    """Stage 3's policy over the region that gathers a unit's weights, and only that: recomputed in
-    backward, never kept for it (the gather, and for its stand-ins the slots' concatenation)."""
-    return CheckpointPolicy.MUST_RECOMPUTE
-
-
-def _gathered_with_gradient(shard: torch.Tensor, group: Group) -> torch.Tensor:
-    """Stage 3: every rank's shard, whole; its gradient reduce-scattered onto this rank's shard."""
-    return ReducedGradient.apply(shard, gathered(shard.detach(), group), group, None, True)
-
-
-class _Unflattened(torch.autograd.Function):
-    """A unit's whole weights as its parameters (the layout's slots, in order from offset 0), whose gradient
-    is one concatenation. Not a slice per parameter: each slice differentiates into a zero-padded copy of
-    the whole buffer and the copies are summed, which inductor fuses into one pass that loads once per
-    parameter (a 30m block's 12: 23 ms on this CPU, where a concatenation copies once). Not one split: a
-    split's views are outputs of one multi-output op, which dynamo refuses to hand to an autograd
-    Function that returns its input (the tied embedding)."""
-
-    @staticmethod
-    def forward(whole: torch.Tensor, slots: tuple) -> tuple[torch.Tensor, ...]:
-        views, at = [], 0
-        for numel, shape in slots:
-            views.append(whole[at:at + numel].view(shape))
-            at += numel
-        return tuple(views)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        whole, slots = inputs
-        ctx.slots, ctx.numel, ctx.dtype, ctx.device = slots, whole.numel(), whole.dtype, whole.device
-
-    @staticmethod
-    def backward(ctx, *grads):
-        zeros = functools.partial(torch.zeros, dtype=ctx.dtype, device=ctx.device)
-        pieces = [g.reshape(-1) if g is not None else zeros(numel) for (numel, _), g in zip(ctx.slots, grads)]
-        tail = ctx.numel - sum(numel for numel, _ in ctx.slots)  # the padding to equal shards
-        return torch.cat(pieces + ([zeros(tail)] if tail else [])), None
-
-
-def _span_in(master: torch.Tensor, params: torch.Tensor) -> Optional[tuple[int, int]]:
-    """Where the fp32 master lies inside the weights' buffer, when it is a slice of it (fp32, not offloaded)."""
-    if master.dtype != params.dtype or master.untyped_storage().data_ptr() != params.untyped_storage().data_ptr():
-        return None
-    lo = master.storage_offset() - params.storage_offset()
-    return lo, lo + master.numel()
 
 
 class WholeStep:
@@ -182,7 +123,7 @@ class WholeStep:
             {u.name: self.leaves[u.name] if not self.stage.shard_optimizer else u.params.detach().requires_grad_()
              for u in engine.units}
         self._accumulated: Optional[dict[str, Optional[torch.Tensor]]] = None  # the boundary's, while it runs
-        self._master_spans = [_span_in(u.master, u.params) for u in engine.units]
+        self._master_spans = [span_in(u.master, u.params) for u in engine.units]
         self._prefetched: dict[str, dict[str, torch.Tensor]] = {}
         # set in the caller's blocks while the step's forward runs (zerofunc/binding.py)
         self._forwards = {u.module: self._block_forward(u, u.module.forward) for u in engine.gathering.blocks}
@@ -207,8 +148,8 @@ class WholeStep:
         """The unit's parameters, whole, as this stage brings them in (see the module's docstring)."""
         leaf, group = self.leaves[unit.name], self.groups[unit.name]
         if self.stage.shard_params:
-            whole = checkpoint(_gathered_with_gradient, leaf, group, use_reentrant=False, preserve_rng_state=False,
-                               context_fn=functools.partial(create_selective_checkpoint_contexts, _recompute_gathers))
+            whole = checkpoint(gathered_with_gradient, leaf, group, use_reentrant=False, preserve_rng_state=False,
+                               context_fn=functools.partial(create_selective_checkpoint_contexts, recompute_gathers))
         elif self.stage.shard_grads:
             whole = ReducedGradient.apply(leaf, unit.params, group, None, True)
         elif self._accumulated is None:  # stages 0-1 before the accumulation boundary, or reduced after backward
@@ -217,7 +158,7 @@ class WholeStep:
             whole = ReducedGradient.apply(leaf, unit.params, group, self._accumulated[unit.name],
                                           self.stage.shard_optimizer)
         slots = unit.layout.slots
-        return dict(zip((s.name for s in slots), _Unflattened.apply(whole, tuple((s.numel, s.shape) for s in slots))))
+        return dict(zip((s.name for s in slots), Unflattened.apply(whole, tuple((s.numel, s.shape) for s in slots))))
 
     def _block_forward(self, unit, forward):
         cut = len(unit.name) + 1

@@ -37,7 +37,7 @@ PLANTS: list[Plant] = [
           "model breaks the graph (Hugging Face's GPT-2) AOTAutograd regenerates them outside it, and no gradient "
           "reaches the root unit",
           "issue 31", ("tests/test_whole_step.py::test_a_hugging_face_gpt2_compiled_whole_trains_like_eager_at_stage_2",)),
-    Plant("whole_weights_gradients_misplaced", "zerofunc/whole_step.py",
+    Plant("whole_weights_gradients_misplaced", "zerofunc/whole_weights.py",
           "for (numel, _), g in zip(ctx.slots, grads)]", "for (numel, _), g in zip(ctx.slots[::-1], grads[::-1])]",
           "the compiled step concatenates a unit's parameter gradients in reverse order: each lands on another "
           "parameter's elements",
