@@ -20,9 +20,9 @@ How each stage brings a unit's weights into its block, and takes its gradient ou
   whole 1.06-1.11x eager's step in backward, 0.90 after).
 
 The update is two graphs around one host read, as the eager optimizer's: the reduced gradients and their
-global norm (a non-finite norm skips the step, as eager's does), then clipping, AdamW on this rank's fp32
-shard and, at stages 1-2, the all-gather of the new weights. The step count and the learning rate enter
-as tensors, so a new step is no new graph.
+global norm (a non-finite norm skips the step, as eager's does), then the average and clipping, AdamW on
+this rank's fp32 shard and, at stages 1-2, the all-gather of the new weights. The step count and the
+learning rate enter as tensors, so a new step is no new graph.
 
 The compiler's collective passes are this module's decisions too (zerofunc/compiled_graphs.py): inductor's
 bucketing would merge every gather of the model into one (its cap is 2000 MB) and so hold every block
@@ -223,7 +223,8 @@ class WholeStep:
                                "their weights")
         for leaf in self.leaves.values():
             leaf.grad = None
-        grads, norm = self._reduce(grads)
+        reduced, norm = self._reduce(grads)
+        grads = reduced if reduced is not None else grads
         state, factor = opt.decide(state, float(norm))  # as the eager optimizer decides (no fp16 here)
         if factor is None:
             return state
@@ -233,20 +234,21 @@ class WholeStep:
                              for x in (factor, lr, state.steps)))
         return state
 
-    def _reduce_eager(self, grads: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Each unit's gradient of this rank's shard (stages 1-3) or whole (stage 0), averaged over the
-        ranks; and their global norm. The sums are divided here, once, for every stage."""
-        out, squares = [], []
+    def _reduce_eager(self, grads: list[torch.Tensor]) -> tuple[Optional[list[torch.Tensor]], torch.Tensor]:
+        """At stages 0-1 reduced after backward, each unit's gradient summed over the ranks, this rank's shard
+        (stage 1) or whole (stage 0), else None (backward reduced them); and the global norm of the averaged
+        gradients. The sums are divided in the update, where AdamW reads them anyway: divided here, every
+        gradient would be written once more (at 120m, 170 MB a rank and step)."""
+        reduced, squares = [], []
         for unit, g in zip(self.engine.units, grads):
             if not self.reduces_in_backward:  # stages 0-1, here: at the boundary, after backward
                 g = scattered_gradient(g, self.groups[unit.name]) if self.stage.shard_optimizer else summed(g, self.ranks)
-            g = g / self.world  # summed: here, or by backward's reductions
-            out.append(g)
+                reduced.append(g)
             squares.append(torch.linalg.vector_norm(g, dtype=torch.float32).square())
         total = torch.stack(squares).sum()
         if self.stage.shard_optimizer:
             total = summed(total, self.ranks)
-        return out, total.sqrt()
+        return reduced if not self.reduces_in_backward else None, total.sqrt() / self.world
 
     def _apply_eager(self, grads: list[torch.Tensor], factor: torch.Tensor, lr: torch.Tensor,
                      step: torch.Tensor) -> None:
@@ -259,6 +261,7 @@ class WholeStep:
                 # an fp32 master is a slice of the weights: taken here, so that the graph's input is the weights
                 # alone (two aliasing inputs, one written, would be copied whole on every step)
                 master = unit.params[span[0]:span[1]] if span is not None else unit.master
+                g = g / self.world  # summed, by backward's reductions or the reduce graph's
                 g = g.float() * factor
                 unit.m.lerp_(g, 1 - beta1)
                 unit.v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
