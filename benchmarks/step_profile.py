@@ -7,7 +7,8 @@ waits on them), and each wait on a functional collective in the order the step r
 The row is one of benchmarks/peers.py's (IMPLS there; a wrong name lists them); 2 gloo ranks, one thread
 each, as there. The waits are what the compiled step (--compile whole) spends blocked on its collectives;
 the eager step's waits are not ops and do not show. Times are the profiler's CPU milliseconds, self time
-per op name."""
+per op name: which ops run, not how long a compiled graph takes (the profiler inflates the compiled
+update's graph about threefold on this project's CPU; benchmarks/step_phases.py times the phases)."""
 from __future__ import annotations
 
 import argparse
