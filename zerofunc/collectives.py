@@ -133,6 +133,12 @@ def summed(t: torch.Tensor, group: Group) -> torch.Tensor:
     return funcol.all_reduce(t, "sum", group.name)
 
 
+def reduced_gradient(grad: torch.Tensor, group: Group, scatter: bool) -> torch.Tensor:
+    """A unit's gradient summed over the group's ranks: this rank's shard of the sum (`scatter`: stages 1-3),
+    or the whole sum (stage 0)."""
+    return scattered_gradient(grad, group) if scatter else summed(grad, group)
+
+
 GATHER = gathered.__name__  # as a compiled graph's stack traces name it: a collective issued from there gathers
 
 
@@ -160,5 +166,4 @@ class ReducedGradient(torch.autograd.Function):
         accumulated, = ctx.saved_tensors
         if accumulated is not None:
             grad = grad + accumulated
-        reduced = scattered_gradient(grad, ctx.group) if ctx.scatter else summed(grad, ctx.group)
-        return reduced, None, None, None, None
+        return reduced_gradient(grad, ctx.group, ctx.scatter), None, None, None, None

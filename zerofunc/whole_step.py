@@ -53,7 +53,7 @@ from zerofunc.binding import installed
 from zerofunc.comm_schedule import overlap
 from zerofunc.compiled_graphs import Collective, CompiledGraphs
 from zerofunc.state import OptimizerState
-from zerofunc.collectives import Group, ReducedGradient, gathered, scattered_gradient, summed
+from zerofunc.collectives import Group, ReducedGradient, gathered, reduced_gradient, summed
 from zerofunc.whole_weights import Unflattened, gathered_with_gradient, recompute_gathers, span_in
 
 
@@ -224,7 +224,8 @@ class WholeStep:
         for leaf in self.leaves.values():
             leaf.grad = None
         reduced, norm = self._reduce(grads)
-        grads = reduced if reduced is not None else grads
+        if not self.reduces_in_backward:  # stages 0-1 on a CPU: the reduce graph reduced them
+            grads = reduced
         state, factor = opt.decide(state, float(norm))  # as the eager optimizer decides (no fp16 here)
         if factor is None:
             return state
@@ -234,21 +235,21 @@ class WholeStep:
                              for x in (factor, lr, state.steps)))
         return state
 
-    def _reduce_eager(self, grads: list[torch.Tensor]) -> tuple[Optional[list[torch.Tensor]], torch.Tensor]:
+    def _reduce_eager(self, grads: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
         """At stages 0-1 reduced after backward, each unit's gradient summed over the ranks, this rank's shard
-        (stage 1) or whole (stage 0), else None (backward reduced them); and the global norm of the averaged
+        (stage 1) or whole (stage 0), else none (backward reduced them); and the global norm of the averaged
         gradients. The sums are divided in the update, where AdamW reads them anyway: divided here, every
         gradient would be written once more (at 120m, 170 MB a rank and step)."""
         reduced, squares = [], []
         for unit, g in zip(self.engine.units, grads):
             if not self.reduces_in_backward:  # stages 0-1, here: at the boundary, after backward
-                g = scattered_gradient(g, self.groups[unit.name]) if self.stage.shard_optimizer else summed(g, self.ranks)
+                g = reduced_gradient(g, self.groups[unit.name], self.stage.shard_optimizer)
                 reduced.append(g)
             squares.append(torch.linalg.vector_norm(g, dtype=torch.float32).square())
         total = torch.stack(squares).sum()
         if self.stage.shard_optimizer:
             total = summed(total, self.ranks)
-        return reduced if not self.reduces_in_backward else None, total.sqrt() / self.world
+        return reduced, total.sqrt() / self.world
 
     def _apply_eager(self, grads: list[torch.Tensor], factor: torch.Tensor, lr: torch.Tensor,
                      step: torch.Tensor) -> None:
