@@ -103,21 +103,28 @@ class Group:
                        scatter_op=issued_as("reduce_scatter", nbytes, self.world, link))
 
 
-def gathered(shard: torch.Tensor, group: Group) -> torch.Tensor:
-    """Every rank's `shard`, concatenated in rank order (not differentiable: stage 3 differentiates through
-    `ReduceScatteredGradient`)."""
+def gathered_pieces(shard: torch.Tensor, group: Group) -> list[torch.Tensor]:
+    """Every rank's `shard`, in rank order, as consecutive pieces of the whole: one per rank where the gather is
+    issued as broadcasts, each to be read where it lies (zerofunc/whole_weights.py), else the whole, one piece
+    (not differentiable: stage 3 differentiates through `whole_weights.GatheredParameters`)."""
     op = group.gather_op
     if op == "broadcast":  # each rank's slot from it. Every rank passes its own shard to every broadcast (the
         # others' are overwritten), not an empty slot: no rank's graph then depends on its rank, and the passes
         # that move a graph's collectives (zerofunc/comm_schedule.py) move them alike on every rank, as gloo,
         # which pairs collectives by issue order, needs (one copy of the shard per slot is the cost)
-        return torch.cat([funcol.broadcast(shard, r, group.name) for r in range(group.world)])
+        return [funcol.broadcast(shard, r, group.name) for r in range(group.world)]
     if op == "all_reduce":  # -0.0 in the other ranks' slots: x + -0.0 is x, bit for bit (zerofunc/comm.py)
         def filler(ranks: int) -> torch.Tensor:
             return shard.new_full((ranks * shard.numel(),), -0.0)
-        return funcol.all_reduce(torch.cat([filler(group.rank), shard, filler(group.world - group.rank - 1)]), "sum",
-                                 group.name)
-    return _all_gather(shard, 0, group.name)
+        return [funcol.all_reduce(torch.cat([filler(group.rank), shard, filler(group.world - group.rank - 1)]),
+                                  "sum", group.name)]
+    return [_all_gather(shard, 0, group.name)]
+
+
+def gathered(shard: torch.Tensor, group: Group) -> torch.Tensor:
+    """Every rank's `shard`, concatenated in rank order (the new weights of stages 1-2's update)."""
+    pieces = gathered_pieces(shard, group)
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 def scattered_gradient(grad: torch.Tensor, group: Group) -> torch.Tensor:
@@ -139,13 +146,13 @@ def reduced_gradient(grad: torch.Tensor, group: Group, scatter: bool) -> torch.T
     return scattered_gradient(grad, group) if scatter else summed(grad, group)
 
 
-GATHER = gathered.__name__  # as a compiled graph's stack traces name it: a collective issued from there gathers
+GATHER = gathered_pieces.__name__  # as a compiled graph's stack traces name it: a collective issued from there gathers
 
 
 class ReducedGradient(torch.autograd.Function):
     """The whole weights, as they are; their gradient reduced as the unit's backward ends, with `accumulated`
     (the accumulation's earlier micro-batches' sum, or None) added first: reduce-scattered onto `leaf`, this
-    rank's shard (`scatter`: stages 1-3), or summed whole onto `leaf`, the whole weights (stage 0)."""
+    rank's shard (`scatter`: stages 1-2), or summed whole onto `leaf`, the whole weights (stage 0)."""
 
     @staticmethod
     def forward(leaf, whole, group, accumulated, scatter):

@@ -5,11 +5,12 @@ a value, for the compiler to schedule and fuse with the compute around it.
 How each stage brings a unit's weights into its block, and takes its gradient out, is one decision
 (`_whole_weights`), made where the block starts:
 
-- stage 3: `all_gather(shard)`, an autograd op whose backward is the reduce-scatter of the block's
-  gradient, which is then the shard's gradient. The gather runs under a selective-checkpoint policy that
-  recomputes it instead of saving it (SimpleFSDP's, torchtitan): backward gathers each block again, the
-  prefetch depth ahead of its own backward (zerofunc/comm_schedule.py), and no gathered block lives from
-  forward to backward.
+- stage 3: `all_gather(shard)`, and the block's parameters read where it put them (on gloo, one piece per
+  rank: only a parameter spanning two is copied), an autograd op whose backward is the reduce-scatter of
+  the block's gradient, which is then the shard's gradient. The gather runs under a selective-checkpoint
+  policy that recomputes it instead of saving it (SimpleFSDP's, torchtitan): backward gathers each block
+  again, the prefetch depth ahead of its own backward (zerofunc/comm_schedule.py), and no gathered block
+  lives from forward to backward.
 - stage 2: the whole weights every rank keeps, through an identity whose backward is the reduce-scatter.
 - stages 0-1: the whole weights, their gradient kept whole over the accumulation's micro-batches, then
   all-reduced (stage 0) or reduce-scattered (stage 1), where `reduces_in_backward` says: on a GPU in the
@@ -54,7 +55,7 @@ from zerofunc.comm_schedule import overlap
 from zerofunc.compiled_graphs import Collective, CompiledGraphs
 from zerofunc.state import OptimizerState
 from zerofunc.collectives import Group, ReducedGradient, gathered, reduced_gradient, summed
-from zerofunc.whole_weights import Unflattened, gathered_with_gradient, recompute_gathers, span_in
+from zerofunc.whole_weights import Unflattened, gathered_parameters, recompute_gathers, span_in
 
 
 
@@ -147,18 +148,20 @@ class WholeStep:
     def _whole_weights(self, unit) -> dict[str, torch.Tensor]:
         """The unit's parameters, whole, as this stage brings them in (see the module's docstring)."""
         leaf, group = self.leaves[unit.name], self.groups[unit.name]
+        slots = tuple((s.numel, s.shape) for s in unit.layout.slots)
+        names = (s.name for s in unit.layout.slots)
         if self.stage.shard_params:
-            whole = checkpoint(gathered_with_gradient, leaf, group, use_reentrant=False, preserve_rng_state=False,
-                               context_fn=functools.partial(create_selective_checkpoint_contexts, recompute_gathers))
-        elif self.stage.shard_grads:
+            return dict(zip(names, checkpoint(
+                gathered_parameters, leaf, group, slots, use_reentrant=False, preserve_rng_state=False,
+                context_fn=functools.partial(create_selective_checkpoint_contexts, recompute_gathers))))
+        if self.stage.shard_grads:
             whole = ReducedGradient.apply(leaf, unit.params, group, None, True)
         elif self._accumulated is None:  # stages 0-1 before the accumulation boundary, or reduced after backward
             whole = self.accumulating.get(unit.name, leaf)
         else:  # the boundary: the earlier micro-batches' sum added, and the whole reduced (summed at stage 0)
             whole = ReducedGradient.apply(leaf, unit.params, group, self._accumulated[unit.name],
                                           self.stage.shard_optimizer)
-        slots = unit.layout.slots
-        return dict(zip((s.name for s in slots), Unflattened.apply(whole, tuple((s.numel, s.shape) for s in slots))))
+        return dict(zip(names, Unflattened.apply(whole, slots)))
 
     def _block_forward(self, unit, forward):
         cut = len(unit.name) + 1

@@ -1,16 +1,17 @@
 """How a unit's weights enter the step compiled whole (zerofunc/whole_step.py), and its gradient leaves: stage 3's
-gather under a recompute policy, a unit's flat weights as its parameters with one concatenation for their
-gradient, and where an fp32 master lies in the weights it updates."""
+gather under a recompute policy, its parameters read where the gather put them; a unit's flat weights as its
+parameters, with one concatenation for their gradient; and where an fp32 master lies in the weights it updates."""
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from zerofunc.collectives import Group, ReducedGradient, gathered
+from zerofunc.collectives import Group, gathered_pieces, reduced_gradient
 
 
 class _KnownCheckpointWarning(logging.Filter):
@@ -26,42 +27,79 @@ logging.getLogger("torch._higher_order_ops.wrap").addFilter(_KnownCheckpointWarn
 
 def recompute_gathers(ctx, func, *args, **kwargs):
     """Stage 3's policy over the region that gathers a unit's weights, and only that: recomputed in
-    backward, never kept for it (the gather, and for its stand-ins the slots' concatenation)."""
+    backward, never kept for it (the gather, the parameters read from it)."""
     return CheckpointPolicy.MUST_RECOMPUTE
 
 
-def gathered_with_gradient(shard: torch.Tensor, group: Group) -> torch.Tensor:
-    """Stage 3: every rank's shard, whole; its gradient reduce-scattered onto this rank's shard."""
-    return ReducedGradient.apply(shard, gathered(shard.detach(), group), group, None, True)
+def _parameters(pieces: Sequence[torch.Tensor], slots: tuple) -> tuple[torch.Tensor, ...]:
+    """The parameters a unit's flat weights hold (the layout's slots, in order from offset 0), read from
+    `pieces`, consecutive parts of those weights: a view where one piece holds a parameter whole, else its
+    parts concatenated (gloo's gather is a broadcast per rank, so only a parameter across two ranks' shards
+    is copied, not the whole unit: a 120m block's 28 MB concatenation costs 7.3 ms on this project's CPU)."""
+    bounds = list(itertools.accumulate((p.numel() for p in pieces), initial=0))
+    out, at = [], 0
+    for numel, shape in slots:
+        parts = [p[max(at, lo) - lo:min(at + numel, hi) - lo]
+                 for p, lo, hi in zip(pieces, bounds, bounds[1:]) if lo < at + numel and at < hi] or [pieces[0][:0]]
+        out.append((parts[0] if len(parts) == 1 else torch.cat(parts)).view(shape))
+        at += numel
+    return tuple(out)
+
+
+def _flat_gradient(ctx, grads: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
+    """The parameters' gradients as one flat gradient of the unit's weights (zeros for a parameter none
+    reached, and for the padding to equal shards): one concatenation."""
+    zeros = functools.partial(torch.zeros, dtype=ctx.dtype, device=ctx.device)
+    pieces = [g.reshape(-1) if g is not None else zeros(numel) for (numel, _), g in zip(ctx.slots, grads)]
+    tail = ctx.numel - sum(numel for numel, _ in ctx.slots)
+    return torch.cat(pieces + ([zeros(tail)] if tail else []))
 
 
 class Unflattened(torch.autograd.Function):
-    """A unit's whole weights as its parameters (the layout's slots, in order from offset 0), whose gradient
-    is one concatenation. Not a slice per parameter: each slice differentiates into a zero-padded copy of
-    the whole buffer and the copies are summed, which inductor fuses into one pass that loads once per
-    parameter (a 30m block's 12: 23 ms on this CPU, where a concatenation copies once). Not one split: a
-    split's views are outputs of one multi-output op, which dynamo refuses to hand to an autograd
-    Function that returns its input (the tied embedding)."""
+    """Stages 0-2: a unit's whole weights as its parameters, whose gradient is one concatenation. Not a slice
+    per parameter: each slice differentiates into a zero-padded copy of the whole buffer and the copies are
+    summed, which inductor fuses into one pass that loads once per parameter (a 30m block's 12: 23 ms on
+    this CPU, where a concatenation copies once). Not one split: a split's views are outputs of one
+    multi-output op, which dynamo refuses to hand to an autograd Function that returns its input (the tied
+    embedding)."""
 
     @staticmethod
     def forward(whole: torch.Tensor, slots: tuple) -> tuple[torch.Tensor, ...]:
-        views, at = [], 0
-        for numel, shape in slots:
-            views.append(whole[at:at + numel].view(shape))
-            at += numel
-        return tuple(views)
+        return _parameters([whole], slots)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        whole, slots = inputs
-        ctx.slots, ctx.numel, ctx.dtype, ctx.device = slots, whole.numel(), whole.dtype, whole.device
+        whole, ctx.slots = inputs
+        ctx.numel, ctx.dtype, ctx.device = whole.numel(), whole.dtype, whole.device
 
     @staticmethod
     def backward(ctx, *grads):
-        zeros = functools.partial(torch.zeros, dtype=ctx.dtype, device=ctx.device)
-        pieces = [g.reshape(-1) if g is not None else zeros(numel) for (numel, _), g in zip(ctx.slots, grads)]
-        tail = ctx.numel - sum(numel for numel, _ in ctx.slots)  # the padding to equal shards
-        return torch.cat(pieces + ([zeros(tail)] if tail else [])), None
+        return _flat_gradient(ctx, grads), None
+
+
+class GatheredParameters(torch.autograd.Function):
+    """Stage 3: a unit's parameters read from its gathered `pieces` (collectives.gathered_pieces), as
+    `Unflattened` reads them from the whole; their gradient, one concatenation, reduce-scattered onto
+    `shard`, this rank's, as the unit's backward ends."""
+
+    @staticmethod
+    def forward(shard: torch.Tensor, group: Group, slots: tuple, *pieces: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return _parameters(pieces, slots)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        shard, ctx.group, ctx.slots, *pieces = inputs
+        ctx.numel, ctx.dtype, ctx.device = sum(p.numel() for p in pieces), shard.dtype, shard.device
+        ctx.pieces = len(pieces)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (reduced_gradient(_flat_gradient(ctx, grads), ctx.group, True), None, None) + (None,) * ctx.pieces
+
+
+def gathered_parameters(shard: torch.Tensor, group: Group, slots: tuple) -> tuple[torch.Tensor, ...]:
+    """Stage 3: a unit's parameters, from every rank's shard; their gradient reduce-scattered onto `shard`."""
+    return GatheredParameters.apply(shard, group, slots, *gathered_pieces(shard.detach(), group))
 
 
 def span_in(master: torch.Tensor, params: torch.Tensor) -> Optional[tuple[int, int]]:
