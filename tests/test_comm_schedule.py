@@ -96,35 +96,3 @@ def test_a_write_back_stays_after_a_reader_of_the_old_weights():
     overlap(g, gather_depth=None, reductions=False, gathers_in_turn=True)
     order = [m.name for m in g.nodes]
     assert order.index(n["reader"].name) < order.index(n["write0"].name), order
-
-
-def _stage_3_graph():
-    """Stage 3's backward as AOTAutograd's partitioner leaves it on gloo, two units: each gathered as one
-    broadcast per rank of its shard, its parameters views of the pieces (none spans two), each broadcast
-    recomputed just before its piece is first read, so the second piece's after the first's matmul."""
-    g = torch.fx.Graph()
-    shards, y = [g.placeholder(f"s{k}") for k in range(2)], g.placeholder("x")
-    nodes = {}
-    for k in range(2):
-        for r in range(2):
-            nodes[f"issue{k}{r}"] = issue = g.call_function(c10d.broadcast.default, (shards[k], r, "0"))
-            nodes[f"wait{k}{r}"] = wait = g.call_function(c10d.wait_tensor.default, (issue,))
-            weight = g.call_function(aten.view.default, (wait, [2, 2]))
-            nodes[f"mm{k}{r}"] = y = g.call_function(aten.mm.default, (y, weight))
-    g.output((y,))
-    return g, nodes
-
-
-def test_a_gather_s_broadcasts_are_one_gather_issued_together_and_prefetched_as_one():
-    """A unit's two broadcasts are one gather, though no parameter spans their pieces: issued together (the
-    second moved up to the first: tests/plants.py whole_step_broadcasts_recomputed_apart, where the completion
-    would move ahead of the second's issue and the graph read a wait before its collective), and the next
-    unit's gather, both broadcasts, issued before the first unit's completes (prefetch depth 1), not one piece
-    ahead (whole_step_broadcasts_gathered_apart)."""
-    g, n = _stage_3_graph()
-    overlap(g, gather_depth=1, reductions=False)
-    g.lint()
-    order = [m.name for m in g.nodes]
-    at = {k: order.index(v.name) for k, v in n.items()}
-    assert at["issue01"] == at["issue00"] + 1, order
-    assert max(at["issue10"], at["issue11"]) < at["wait00"] < at["wait01"] < at["mm00"], order

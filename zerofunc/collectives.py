@@ -21,10 +21,11 @@ Stages 1-2 gather no weights forward or backward; they gather the updated shards
 boundary, as stage 1 reduce-scatters it then; stages 2-3 reduce every micro-step.
 
 Compiled whole, each collective is issued as the op the eager communicator issues in its place (zerofunc/comm.py,
-sim.cost.issued_as): on gloo an all-gather as one broadcast per rank and a large reduce-scatter as an all-reduce,
-which gloo runs 2-6x faster than its own all-gather and reduce-scatter (measured on this project's CPU machines:
-32 MB over 2 ranks, all-gather 55 ms against 11.5 ms of broadcasts, reduce-scatter 71 ms against a 31 ms
-all-reduce); on NCCL's links the paper's ops. So the compiled step sends what the eager step sends, op for op.
+sim.cost.issued_as): on gloo an all-gather as one broadcast per rank (into one buffer:
+zerofunc/broadcast_gather.py) and a large reduce-scatter as an all-reduce, which gloo runs 2-6x faster than
+its own all-gather and reduce-scatter (measured on this project's CPU machines: 32 MB over 2 ranks, all-gather
+55 ms against 11.5 ms of broadcasts, reduce-scatter 71 ms against a 31 ms all-reduce); on NCCL's links the
+paper's ops. So the compiled step sends what the eager step sends, op for op.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 
 from sim.cost import Link, issued_as
+from zerofunc.broadcast_gather import broadcast_gather
 from zerofunc.comm import Communicator, Handle
 
 # ---- eager: a Communicator's op on buffers in place; the handle is waited on by the caller ------------------------
@@ -103,28 +105,18 @@ class Group:
                        scatter_op=issued_as("reduce_scatter", nbytes, self.world, link))
 
 
-def gathered_pieces(shard: torch.Tensor, group: Group) -> list[torch.Tensor]:
-    """Every rank's `shard`, in rank order, as consecutive pieces of the whole: one per rank where the gather is
-    issued as broadcasts, each to be read where it lies (zerofunc/whole_weights.py), else the whole, one piece
-    (not differentiable: stage 3 differentiates through `whole_weights.GatheredParameters`)."""
+def gathered(shard: torch.Tensor, group: Group) -> torch.Tensor:
+    """Every rank's `shard`, concatenated in rank order (not differentiable: stage 3 differentiates through
+    `whole_weights.GatheredParameters`)."""
     op = group.gather_op
-    if op == "broadcast":  # each rank's slot from it. Every rank passes its own shard to every broadcast (the
-        # others' are overwritten), not an empty slot: no rank's graph then depends on its rank, and the passes
-        # that move a graph's collectives (zerofunc/comm_schedule.py) move them alike on every rank, as gloo,
-        # which pairs collectives by issue order, needs (one copy of the shard per slot is the cost)
-        return [funcol.broadcast(shard, r, group.name) for r in range(group.world)]
+    if op == "broadcast":  # each rank's slot from it, broadcast into one buffer (zerofunc/broadcast_gather.py)
+        return funcol.wait_tensor(broadcast_gather(shard, group.world, group.name))
     if op == "all_reduce":  # -0.0 in the other ranks' slots: x + -0.0 is x, bit for bit (zerofunc/comm.py)
         def filler(ranks: int) -> torch.Tensor:
             return shard.new_full((ranks * shard.numel(),), -0.0)
-        return [funcol.all_reduce(torch.cat([filler(group.rank), shard, filler(group.world - group.rank - 1)]),
-                                  "sum", group.name)]
-    return [_all_gather(shard, 0, group.name)]
-
-
-def gathered(shard: torch.Tensor, group: Group) -> torch.Tensor:
-    """Every rank's `shard`, concatenated in rank order (the new weights of stages 1-2's update)."""
-    pieces = gathered_pieces(shard, group)
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        return funcol.all_reduce(torch.cat([filler(group.rank), shard, filler(group.world - group.rank - 1)]), "sum",
+                                 group.name)
+    return _all_gather(shard, 0, group.name)
 
 
 def scattered_gradient(grad: torch.Tensor, group: Group) -> torch.Tensor:
@@ -146,7 +138,7 @@ def reduced_gradient(grad: torch.Tensor, group: Group, scatter: bool) -> torch.T
     return scattered_gradient(grad, group) if scatter else summed(grad, group)
 
 
-GATHER = gathered_pieces.__name__  # as a compiled graph's stack traces name it: a collective issued from there gathers
+GATHER = gathered.__name__  # as a compiled graph's stack traces name it: a collective issued from there gathers
 
 
 class ReducedGradient(torch.autograd.Function):

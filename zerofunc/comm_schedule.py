@@ -1,8 +1,8 @@
 """Where a compiled graph's collectives complete: stage 3's prefetch, and stages 2-3's reduce-scatters, made
 to overlap the compute around them.
 
-Dynamo traces a functional collective's wait where the collective is issued, and the parameters read from a
-gather's pieces (gloo's broadcasts) right after it; so a gather issued ahead of its block, as the step issues
+Dynamo traces a functional collective's wait where the collective is issued, and the concatenation of a
+gather's slots (gloo's broadcasts) right after it; so a gather issued ahead of its block, as the step issues
 the next block's before the current one computes, still finishes before that compute starts; in backward
 each block's gather is recomputed just before its own backward; and each gradient's reduce-scatter is waited
 for before the next block's backward starts. Nothing overlaps. Inductor's comm-reordering passes would move
@@ -10,8 +10,8 @@ them, but without a bound: they hoist every gather to the graph's start (zerofun
 off), and sinking a reduce-scatter's wait to its first use (the graph's output) keeps every block's whole
 gradient alive to the end. This pass moves them within ZeRO's bounds:
 
-1. each gather's completion (its waits, the parameters read from its pieces) sinks to just
-   before the first node that reads the weights, its broadcasts issued together before it;
+1. each gather's completion (its waits, the concatenation, the views of the whole weights) sinks to just
+   before the first node that reads the weights;
 2. each gather is issued no later than just before the completion of the gather `gather_depth` places ahead
    of it, so that that many are in flight while a block computes: the eager step's prefetch depth;
 3. each reduction is issued as soon as the matmuls of its gradient are done (AOTAutograd may leave a
@@ -36,8 +36,6 @@ import torch
 
 from zerofunc.compiled_graphs import MATMULS, WAIT, is_collective, is_gather, is_reduction
 
-BROADCAST = torch.ops._c10d_functional.broadcast.default
-
 
 def _groups(graph: torch.fx.Graph, which: Callable[[torch.fx.Node], bool]) -> list[tuple[list, list]]:
     """The graph's collectives that `which` picks, in order, each as (its collectives, its completion: the
@@ -46,20 +44,11 @@ def _groups(graph: torch.fx.Graph, which: Callable[[torch.fx.Node], bool]) -> li
     Keyed by position, never by anything that differs between processes (an id): every rank moves alike."""
     nodes = list(graph.nodes)
     owner: dict[torch.fx.Node, int] = {}  # a collective or completion node: the position of its gather's first
-    broadcast = None  # the last broadcast picked: (its shard, its source, its gather's first)
     for i, n in enumerate(nodes):
         if is_collective(n) and which(n):
-            first = i
-            if n.target is BROADCAST:  # one gather's broadcasts, of one shard, in rank order (the completions
-                # need not join them: a parameter read from one rank's piece is a view of that piece alone)
-                if broadcast is not None and n.args[0] is broadcast[0] and n.args[1] > broadcast[1]:
-                    first = broadcast[2]
-                broadcast = (n.args[0], n.args[1], first)
-            else:
-                broadcast = None
-            owner[n] = first
+            owner[n] = i
             for w in (u for u in n.users if u.target is WAIT):
-                owner[w] = first
+                owner[w] = i
             continue
         ins = n.all_input_nodes
         if n.op != "call_function" or not ins or not all(a in owner and not is_collective(a) for a in ins):
@@ -109,8 +98,7 @@ def overlap(graph: torch.fx.Graph, gather_depth: int | None, reductions: bool, g
     when `reductions`) as the module's docstring says, in place."""
     if gather_depth is not None:
         gathers = _groups(graph, is_gather)
-        for issued, completion in gathers:  # 1. complete each just before its weights are read
-            _issued_together(issued, graph)
+        for _, completion in gathers:  # 1. complete each just before its weights are read
             if completion:
                 _complete_before(completion, None, graph)
         for k in range(gather_depth, len(gathers)):  # 2. issue each before the completion `depth` ahead of it
@@ -133,19 +121,6 @@ def overlap(graph: torch.fx.Graph, gather_depth: int | None, reductions: bool, g
         _in_turn(gathers, graph)
         for _, completion in gathers:
             _written_back_at_once(completion, graph)
-
-
-def _issued_together(issued: list, graph: torch.fx.Graph) -> None:
-    """Move a gather's collectives (its broadcasts) to follow the first of them: AOTAutograd's partitioner
-    recomputes each of backward's just before its piece is first read, and the gather's completion, moved as
-    one, must follow them all."""
-    first, *others = sorted(issued, key=_positions(graph).__getitem__)
-    last = first
-    for collective in others:  # each just after the one before it, in the order they were traced
-        where = _positions(graph)
-        for n in _ancestors_after(collective, where, where[last]):
-            last.append(n)
-            last = n
 
 
 def _in_turn(collectives: list[tuple[list, list]], graph: torch.fx.Graph) -> None:

@@ -10,6 +10,7 @@ from typing import Callable, Optional
 
 import torch
 
+from zerofunc.broadcast_gather import BROADCAST_GATHER
 from zerofunc.collectives import GATHER
 
 WAIT = torch.ops._c10d_functional.wait_tensor.default
@@ -166,8 +167,9 @@ def read_collectives(graph: torch.fx.Graph) -> GraphCollectives:
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         waits = [where[u] for u in n.users if u.target is WAIT]
         overlapped = sum(1 for m in nodes[where[n]:min(waits, default=where[n])] if m.target in MATMULS)
-        collectives.append(Collective(op, tensors[0].dtype, nbytes, all(t.dim() == 0 for t in tensors),
-                                      _functions(n), overlapped))
+        ranks = n.args[1] if n.target is BROADCAST_GATHER else 1  # its broadcasts, a rank's slot each, as eager's
+        collectives += [Collective(op, tensors[0].dtype, nbytes // ranks, all(t.dim() == 0 for t in tensors),
+                                   _functions(n), overlapped)] * ranks
         if op == "all_gather":
             heads = [n] + [a for a in [n.kwargs.get("out")] if isinstance(a, torch.fx.Node)]
             spans.append((where[n], max(_last_alias_use(h, where) for h in heads), nbytes))
@@ -177,6 +179,8 @@ def read_collectives(graph: torch.fx.Graph) -> GraphCollectives:
 
 def _ledger_op(n: torch.fx.Node) -> Optional[str]:
     """The ledger's name for the collective `n` issues; None where `n` issues none (a wait is no collective)."""
+    if n.op == "call_function" and n.target is BROADCAST_GATHER:  # one broadcast per rank (read_collectives)
+        return "broadcast"
     name = getattr(n.target, "__name__", str(n.target))
     if n.op != "call_function" or "_c10d_functional" not in str(n.target) or "wait" in name:
         return None

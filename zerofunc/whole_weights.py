@@ -1,17 +1,16 @@
 """How a unit's weights enter the step compiled whole (zerofunc/whole_step.py), and its gradient leaves: stage 3's
-gather under a recompute policy, its parameters read where the gather put them; a unit's flat weights as its
-parameters, with one concatenation for their gradient; and where an fp32 master lies in the weights it updates."""
+gather under a recompute policy, a unit's flat weights as its parameters with one concatenation for their
+gradient, and where an fp32 master lies in the weights it updates."""
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 from typing import Optional, Sequence
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from zerofunc.collectives import Group, gathered_pieces, reduced_gradient
+from zerofunc.collectives import Group, gathered, reduced_gradient
 
 
 class _KnownCheckpointWarning(logging.Filter):
@@ -31,19 +30,13 @@ def recompute_gathers(ctx, func, *args, **kwargs):
     return CheckpointPolicy.MUST_RECOMPUTE
 
 
-def _parameters(pieces: Sequence[torch.Tensor], slots: tuple) -> tuple[torch.Tensor, ...]:
-    """The parameters a unit's flat weights hold (the layout's slots, in order from offset 0), read from
-    `pieces`, consecutive parts of those weights: a view where one piece holds a parameter whole, else its
-    parts concatenated (gloo's gather is a broadcast per rank, so only a parameter across two ranks' shards
-    is copied, not the whole unit: a 120m block's 28 MB concatenation costs 7.3 ms on this project's CPU)."""
-    bounds = list(itertools.accumulate((p.numel() for p in pieces), initial=0))
-    out, at = [], 0
+def _parameters(whole: torch.Tensor, slots: tuple) -> tuple[torch.Tensor, ...]:
+    """The parameters a unit's flat weights hold, views of them (the layout's slots, in order from offset 0)."""
+    views, at = [], 0
     for numel, shape in slots:
-        parts = [p[max(at, lo) - lo:min(at + numel, hi) - lo]
-                 for p, lo, hi in zip(pieces, bounds, bounds[1:]) if lo < at + numel and at < hi] or [pieces[0][:0]]
-        out.append((parts[0] if len(parts) == 1 else torch.cat(parts)).view(shape))
+        views.append(whole[at:at + numel].view(shape))
         at += numel
-    return tuple(out)
+    return tuple(views)
 
 
 def _flat_gradient(ctx, grads: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
@@ -65,7 +58,7 @@ class Unflattened(torch.autograd.Function):
 
     @staticmethod
     def forward(whole: torch.Tensor, slots: tuple) -> tuple[torch.Tensor, ...]:
-        return _parameters([whole], slots)
+        return _parameters(whole, slots)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -78,28 +71,27 @@ class Unflattened(torch.autograd.Function):
 
 
 class GatheredParameters(torch.autograd.Function):
-    """Stage 3: a unit's parameters read from its gathered `pieces` (collectives.gathered_pieces), as
-    `Unflattened` reads them from the whole; their gradient, one concatenation, reduce-scattered onto
-    `shard`, this rank's, as the unit's backward ends."""
+    """Stage 3: a unit's parameters, views of its gathered weights, as `Unflattened` makes them; their gradient,
+    one concatenation, reduce-scattered onto `shard`, this rank's, as the unit's backward ends. One op, not
+    an identity whose backward reduces and then `Unflattened`: no copy of the gathered weights to remove."""
 
     @staticmethod
-    def forward(shard: torch.Tensor, group: Group, slots: tuple, *pieces: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return _parameters(pieces, slots)
+    def forward(shard: torch.Tensor, whole: torch.Tensor, group: Group, slots: tuple) -> tuple[torch.Tensor, ...]:
+        return _parameters(whole, slots)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        shard, ctx.group, ctx.slots, *pieces = inputs
-        ctx.numel, ctx.dtype, ctx.device = sum(p.numel() for p in pieces), shard.dtype, shard.device
-        ctx.pieces = len(pieces)
+        _, whole, ctx.group, ctx.slots = inputs
+        ctx.numel, ctx.dtype, ctx.device = whole.numel(), whole.dtype, whole.device
 
     @staticmethod
     def backward(ctx, *grads):
-        return (reduced_gradient(_flat_gradient(ctx, grads), ctx.group, True), None, None) + (None,) * ctx.pieces
+        return reduced_gradient(_flat_gradient(ctx, grads), ctx.group, True), None, None, None
 
 
 def gathered_parameters(shard: torch.Tensor, group: Group, slots: tuple) -> tuple[torch.Tensor, ...]:
     """Stage 3: a unit's parameters, from every rank's shard; their gradient reduce-scattered onto `shard`."""
-    return GatheredParameters.apply(shard, group, slots, *gathered_pieces(shard.detach(), group))
+    return GatheredParameters.apply(shard, gathered(shard.detach(), group), group, slots)
 
 
 def span_in(master: torch.Tensor, params: torch.Tensor) -> Optional[tuple[int, int]]:

@@ -63,8 +63,8 @@ PLANTS: list[Plant] = [
           "the compiled step issues a gradient's reduce-scatter where AOTAutograd left its sums, after the next "
           "block's matmuls: nothing is left to overlap it with",
           "issue 31", ("tests/test_whole_step.py::test_compiled_stage_3_keeps_its_blocks_and_the_prefetched_gathered",)),
-    Plant("whole_step_ranks_issue_apart", "zerofunc/collectives.py",
-          "for r in range(group.world)]\n", "for r in sorted(range(group.world), reverse=group.rank > 0)]\n",
+    Plant("whole_step_ranks_issue_apart", "zerofunc/broadcast_gather.py",
+          "             for r in range(world)]\n", "             for r in sorted(range(world), reverse=rank > 0)]\n",
           "the ranks of the compiled step issue a gather's broadcasts in different orders (as the overlap pass "
           "once moved them, ordered by id()): gloo pairs collectives by issue order, and the ranks hang",
           "issue 31", ("tests/test_whole_step.py::test_stage_3_compiled_by_inductor_with_gloo_s_ops_trains_like_eager",)),
@@ -105,20 +105,14 @@ PLANTS: list[Plant] = [
           "the overlap pass moves a write-back of new weights ahead of a node that reads the old ones: that node "
           "reads the new",
           "issue 31", ("tests/test_comm_schedule.py::test_a_write_back_stays_after_a_reader_of_the_old_weights",)),
-    Plant("whole_step_broadcasts_recomputed_apart", "zerofunc/comm_schedule.py",
-          "            _issued_together(issued, graph)\n", "            pass\n",
-          "the overlap pass moves a stage-3 gather's completion ahead of its broadcasts, which AOTAutograd's "
-          "partitioner recomputes apart in backward: the graph waits for a broadcast before it is issued",
-          "issue 31", ("tests/test_comm_schedule.py::test_a_gather_s_broadcasts_are_one_gather_issued_together_and_prefetched_as_one",
-                       "tests/test_whole_step.py::test_the_trainer_compiles_the_step_whole_on_cpu")),
-    Plant("whole_step_broadcasts_gathered_apart", "zerofunc/comm_schedule.py",
-          "                if broadcast is not None and n.args[0] is broadcast[0] and n.args[1] > broadcast[1]:\n",
-          "                if False:\n",
-          "each broadcast of a gather counts as a gather of its own where no parameter spans two ranks' pieces: "
-          "stage 3 prefetches a fraction of a block, not the prefetch depth's blocks",
-          "issue 31", ("tests/test_comm_schedule.py::test_a_gather_s_broadcasts_are_one_gather_issued_together_and_prefetched_as_one",)),
-    Plant("whole_weights_parameter_parts_swapped", "zerofunc/whole_weights.py",
-          "(parts[0] if len(parts) == 1 else torch.cat(parts))", "(parts[0] if len(parts) == 1 else torch.cat(parts[::-1]))",
-          "stage 3 compiled whole reads a parameter that spans two ranks' gathered pieces with its parts swapped",
+    Plant("broadcast_gather_own_slot_unwritten", "zerofunc/broadcast_gather.py",
+          "    whole[rank * n:(rank + 1) * n].copy_(shard)\n", "",
+          "the compiled step's gather on gloo broadcasts each rank's slot before writing the rank's own shard into "
+          "it: every rank receives uninitialized memory for that slot",
+          "issue 31", ("tests/test_whole_step.py::test_the_whole_step_trains_like_eager_and_sends_what_it_sends",)),
+    Plant("broadcast_gather_ledgered_once", "zerofunc/compiled_graphs.py",
+          "] * ranks\n", "]\n",
+          "a gather the compiled step issues as one broadcast per rank enters the ledger as one broadcast: the "
+          "ledger no longer holds what the eager step sends",
           "issue 31", ("tests/test_whole_step.py::test_the_whole_step_trains_like_eager_and_sends_what_it_sends",)),
 ]
