@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _register_work
-from torch.distributed.distributed_c10d import _resolve_process_group
 
 
 class _AllOf(dist.Work):
@@ -37,6 +35,9 @@ class _AllOf(dist.Work):
 def broadcast_gather(shard: torch.Tensor, world: int, group_name: str) -> torch.Tensor:
     """Every rank's `shard` of the group `group_name` (`world` ranks), concatenated in rank order; to be
     waited for with `_c10d_functional.wait_tensor` before it is read."""
+    # torch's private API, imported where used: only a step compiled whole on gloo runs this
+    from torch._C._distributed_c10d import _register_work
+    from torch.distributed.distributed_c10d import _resolve_process_group
     group = _resolve_process_group(group_name)
     n, rank = shard.numel(), group.rank()
     whole = shard.new_empty(world * n)
