@@ -27,7 +27,10 @@ class _AllOf(dist.Work):
 
     def wait(self, timeout=None) -> bool:
         for work in self._works:
-            work.wait()
+            if timeout is None:
+                work.wait()
+            else:
+                work.wait(timeout)
         return True
 
 

@@ -5,9 +5,9 @@ a value, for the compiler to schedule and fuse with the compute around it.
 How each stage brings a unit's weights into its block, and takes its gradient out, is one decision
 (`_whole_weights`), made where the block starts:
 
-- stage 3: `all_gather(shard)`, and the block's parameters read where it put them (on gloo, one piece per
-  rank: only a parameter spanning two is copied), an autograd op whose backward is the reduce-scatter of
-  the block's gradient, which is then the shard's gradient. The gather runs under a selective-checkpoint
+- stage 3: `all_gather(shard)` (on gloo one op of broadcasts into one buffer: zerofunc/broadcast_gather.py),
+  the block's parameters views of it through an autograd op whose backward is the reduce-scatter of the
+  block's gradient, which is then the shard's gradient. The gather runs under a selective-checkpoint
   policy that recomputes it instead of saving it (SimpleFSDP's, torchtitan): backward gathers each block
   again, the prefetch depth ahead of its own backward (zerofunc/comm_schedule.py), and no gathered block
   lives from forward to backward.
