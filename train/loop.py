@@ -20,7 +20,7 @@ from train.evaluate import evaluate
 from train.tensorboard import TensorBoardLog
 from train.preempt import StopAgreement
 from train.report import Progress, plot_loss, summary
-from zerofunc import checkpoint, pretrained
+from zerofunc import allocator, checkpoint, pretrained
 from zerofunc.checkpoint import SaveError
 from zerofunc.checkpoint_files import step_dir
 from zerofunc.config import Config
@@ -58,6 +58,7 @@ class TrainArgs:
 
 def rank_device(kind: str) -> torch.device:
     if kind == "cuda":
+        allocator.configure(torch.device("cuda"))  # before the rank's first CUDA allocation
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local % torch.cuda.device_count())
         return torch.device("cuda", torch.cuda.current_device())

@@ -122,4 +122,13 @@ PLANTS: list[Plant] = [
           'return "uint16" if vocab <= (1 << 16) + 1 else "uint32"',
           "a vocabulary of 65,537 ids is written as uint16: the last id wraps to 0", "issue 24 note",
           ("tests/test_prepare.py",)),
+    # -- the CUDA allocator (issue 33) ------------------------------------------------------------------
+    Plant("rank_allocator_not_configured", "train/loop.py",
+          "        allocator.configure(torch.device(\"cuda\"))  # before the rank's first CUDA allocation\n", "",
+          "a CUDA rank runs the allocator's fixed segments, which reserved 18-21% above the planned peak at "
+          "Llama-3.1-8B's shapes (docs/CUDA.md, sixth run)", "issue 33",
+          ("tests/test_allocator.py",)),
+    Plant("allocator_overrides_the_user", "zerofunc/allocator.py",
+          "any(v in os.environ for v in CONFIG_VARIABLES)", "False",
+          "the trainer replaces an allocator configuration the user set", "issue 33", ("tests/test_allocator.py",)),
 ]

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from sim.hardware import get_profile, profile_for_device, record_measured, use_profiles
+from zerofunc import allocator
 from zerofunc.check.env import as_text, environment
 from zerofunc.lora import add_lora_flags, lora_from_flags
 from zerofunc.models import MODELS
@@ -76,6 +77,8 @@ def _setup(a: argparse.Namespace) -> tuple[torch.device, list[Plan]]:
     if a.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda, but no CUDA device is available")
     cuda = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
+    if cuda:
+        allocator.configure(torch.device("cuda"))  # as the trainer runs it, before the first allocation
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     if a.json_out is not None and not Path(a.json_out).resolve().parent.is_dir():
         raise ValueError(f"--json-out {a.json_out}: its directory does not exist")

@@ -9,6 +9,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from zerofunc import allocator
+
 
 def _version(*packages: str) -> Optional[str]:
     """The installed version of the first of `packages` found (read from metadata: importing triton costs ~80 MB)."""
@@ -40,6 +42,7 @@ def environment(device: torch.device, compile: bool) -> dict:
         "gloo": dist.is_gloo_available(),
         "fused_kernels": fused.use_triton(torch.empty(0, device=device)),
         "compile": compile,
+        "allocator": allocator.settings() if cuda else None,
     }
     return info
 
@@ -72,6 +75,6 @@ def as_text(info: dict) -> str:
          + "; simulated worlds use PyTorch's fake process group"),
         ("fused kernels", "in use (Triton)" if info["fused_kernels"] else "not in use (torch reference; Triton runs on CUDA)"),
         ("torch.compile", "on" if info["compile"] else "off"),
-    ]
+    ] + ([("allocator", info["allocator"] or "torch's defaults")] if info.get("allocator") is not None else [])
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.rjust(width)}  {v}" for k, v in rows)
