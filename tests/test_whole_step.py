@@ -125,8 +125,11 @@ def _stage_3_under_inductor_with_the_stand_ins():
     zerofunc.comm.issued_as = zerofunc.collectives.issued_as = _every_stand_in
     (eager, eager_losses, _), (whole, whole_losses, _) = _train(3, False), _train(3, "whole")
     ep, wp = eager.full_parameters(), whole.full_parameters()
+    root, block = (4 * u.layout.padded_numel for u in (whole.units[0], whole.units[1]))
     return (max(abs(x - y) / abs(x) for x, y in zip(eager_losses, whole_losses)),
-            max(((wp[n] - ep[n]).norm() / ep[n].norm()).item() for n in ep))
+            max(((wp[n] - ep[n]).norm() / ep[n].norm()).item() for n in ep),
+            root, block, [(g.phase, {c.op for c in g.collectives if c.gathers}, g.peak_gathered_bytes)
+                          for g in whole.whole.graphs["loss"].graphs])
 
 
 @pytest.mark.slow
@@ -137,10 +140,19 @@ def test_stage_3_compiled_by_inductor_with_gloo_s_ops_trains_like_eager():
     arithmetic; measured 2026-11-27: losses 6.5e-8, parameters 5.0e-7 apart). The ranks must issue their
     collectives in one order, which gloo pairs them by: where the overlap pass moved one rank's broadcasts
     apart from the other's (it had ordered them by id()), this test hung (tests/plants.py:
-    whole_step_ranks_issue_apart: a hang is a failure, after gloo's 300 s)."""
-    for loss_err, param_err in in_world(2, _stage_3_under_inductor_with_the_stand_ins):
+    whole_step_ranks_issue_apart: a hang is a failure, after gloo's 300 s).
+
+    Its graphs keep ZeRO-3's bound as the paper's ops do (the test below): the root (gathered by an
+    all-reduce, being small) and two blocks (each gathered by broadcasts) at most alive at once, forward
+    and backward; and at least one block, or the broadcasts' buffers went uncounted."""
+    for loss_err, param_err, root, block, graphs in in_world(2, _stage_3_under_inductor_with_the_stand_ins):
         assert loss_err <= 1e-5, f"losses differ by {loss_err:.1e}"
         assert param_err <= 1e-5, f"parameters differ by {param_err:.1e}"
+        for phase, gathers, peak in graphs:
+            if phase in ("forward", "backward"):
+                assert gathers == {"all_reduce", "broadcast"}, (phase, gathers)
+                assert block <= peak <= root + 2 * block, f"{phase}: {peak} bytes gathered at once " \
+                                                          f"(a block {block}, the bound {root + 2 * block})"
 
 
 def _hugging_face_gpt2(stage: int):

@@ -151,9 +151,10 @@ def graph_phase(graph: torch.fx.Graph) -> str:
 
 
 def read_collectives(graph: torch.fx.Graph) -> GraphCollectives:
-    """The collectives of `graph`, and the most bytes of all-gather output alive at once: each output lives
-    from its gather to the last use of anything that aliases it (its wait, views, slices, a bucket's split;
-    for a bucket gathered into a buffer, `out=`, that buffer's uses too)."""
+    """The collectives of `graph`, and the most bytes of gathered weights alive at once (an all-gather's
+    output, or a gather issued as broadcasts or as an all-reduce): each output lives from its gather to the
+    last use of anything that aliases it (its wait, views, slices, a bucket's split; for a bucket gathered
+    into a buffer, `out=`, that buffer's uses too)."""
     nodes = list(graph.nodes)
     where = {n: i for i, n in enumerate(nodes)}
     collectives, spans = [], []
@@ -168,9 +169,10 @@ def read_collectives(graph: torch.fx.Graph) -> GraphCollectives:
         waits = [where[u] for u in n.users if u.target is WAIT]
         overlapped = sum(1 for m in nodes[where[n]:min(waits, default=where[n])] if m.target in MATMULS)
         ranks = n.args[1] if n.target is BROADCAST_GATHER else 1  # its broadcasts, a rank's slot each, as eager's
+        functions = _functions(n)
         collectives += [Collective(op, tensors[0].dtype, nbytes // ranks, all(t.dim() == 0 for t in tensors),
-                                   _functions(n), overlapped)] * ranks
-        if op == "all_gather":
+                                   functions, overlapped)] * ranks
+        if _gathers(op, functions):
             heads = [n] + [a for a in [n.kwargs.get("out")] if isinstance(a, torch.fx.Node)]
             spans.append((where[n], max(_last_alias_use(h, where) for h in heads), nbytes))
     peak = max((sum(b for lo, hi, b in spans if lo <= i <= hi) for i in range(len(nodes))), default=0)

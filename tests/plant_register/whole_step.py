@@ -51,7 +51,8 @@ PLANTS: list[Plant] = [
           "            completion = gathers[k - gather_depth][1]\n", "            completion = gathers[0][1]\n",
           "the compiled step issues every gather at the start of its graph (inductor's raise_comms, unbounded): "
           "stage 3 holds the whole model gathered, forward and backward",
-          "issue 31", ("tests/test_whole_step.py::test_compiled_stage_3_keeps_its_blocks_and_the_prefetched_gathered",)),
+          "issue 31", ("tests/test_whole_step.py::test_compiled_stage_3_keeps_its_blocks_and_the_prefetched_gathered",
+           "tests/test_whole_step.py::test_stage_3_compiled_by_inductor_with_gloo_s_ops_trains_like_eager")),
     Plant("whole_step_reductions_waited_at_once", "zerofunc/comm_schedule.py",
           "            _complete_before(completion, issued[0], graph)\n", "            pass\n",
           "the compiled step waits for each gradient's reduction where it is issued: no stage overlaps a "
@@ -115,4 +116,9 @@ PLANTS: list[Plant] = [
           "a gather the compiled step issues as one broadcast per rank enters the ledger as one broadcast: the "
           "ledger no longer holds what the eager step sends",
           "issue 31", ("tests/test_whole_step.py::test_the_whole_step_trains_like_eager_and_sends_what_it_sends",)),
+    Plant("gathered_bound_reads_all_gathers_only", "zerofunc/compiled_graphs.py",
+          "        if _gathers(op, functions):\n", "        if op == \"all_gather\":\n",
+          "the compiled step's gathered-weights bound counts only all-gathers: on gloo, where a block is gathered "
+          "by broadcasts, nothing checks that stage 3 keeps at most the prefetch depth of blocks gathered",
+          "issue 31", ("tests/test_whole_step.py::test_stage_3_compiled_by_inductor_with_gloo_s_ops_trains_like_eager",)),
 ]
