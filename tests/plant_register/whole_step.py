@@ -121,4 +121,16 @@ PLANTS: list[Plant] = [
           "the compiled step's gathered-weights bound counts only all-gathers: on gloo, where a block is gathered "
           "by broadcasts, nothing checks that stage 3 keeps at most the prefetch depth of blocks gathered",
           "issue 31", ("tests/test_whole_step.py::test_stage_3_compiled_by_inductor_with_gloo_s_ops_trains_like_eager",)),
+    Plant("whole_16_bit_weights_not_refreshed", "zerofunc/whole_step.py",
+          "                elif span is None:  # 16-bit weights: the master's new rounding\n"
+          "                    unit.params.copy_(master)\n",
+          "                elif span is None:  # 16-bit weights: the master's new rounding\n"
+          "                    pass\n",
+          "bf16 training compiled whole at stages 0 and 3 updates the fp32 masters and never the bf16 weights the "
+          "forward uses: the model stops learning", "issue 31", ("tests/test_whole_step.py", "-k", "16_bit")),
+    Plant("whole_16_bit_weights_not_gathered", "zerofunc/whole_step.py",
+          "                    unit.params.copy_(gathered(new.to(unit.params.dtype), self.groups[unit.name]))\n",
+          "                    pass\n",
+          "bf16 training compiled whole at stages 1-2 never gathers the updated masters into the weights", "issue 31",
+          ("tests/test_whole_step.py", "-k", "16_bit")),
 ]
