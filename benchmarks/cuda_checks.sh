@@ -16,7 +16,8 @@
 #   check-medium train adamw check-reduce (about 3 minutes on an H100, 2026-11-26)
 #   whole                                 (about 2 minutes on an H200, 2026-11-27: --compile whole at stages 0 and 3, 1 GPU)
 #   ab                                    (on demand, its own call, about 8 minutes for 13 of its 16 runs on an H200, 2026-11-27: AB_STEPS=20 for all; OLD_TREE=DIR: an older commit's trainer beside this one,
-#                                          gpt2-small stages 0 and 3, compiled blocks and eager, in turn, twice)
+#                                          gpt2-small stages 0 and 3, compiled blocks and eager, in turn, twice;
+#                                          AB_MODES=--compile or --no-compile: one of the two)
 #   overhead                              (on demand, about 1 minute a tree: the default job's step, eager, stages 0 and 3,
 #                                          timed and profiled by cProfile; with OLD_TREE, that tree's first; this
 #                                          tree's also compiled; --thread-ab: the tape's autograd on the calling
@@ -89,7 +90,7 @@ torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory)
     ab) if [ -z "${OLD_TREE:-}" ] || [ ! -d "$OLD_TREE/train" ]; then  # an older commit's files, beside the checkout's
           echo "ab: set OLD_TREE to a directory holding an older commit's files (git archive COMMIT | tar -x -C DIR)" \
             | tee -a "$OUT/parts.txt"; failed=$((failed + 1)); return; fi
-        for round in 1 2; do for mode in --compile --no-compile; do for stage in 0 3; do for tree in "$OLD_TREE" .; do
+        for round in 1 2; do for mode in ${AB_MODES:---compile --no-compile}; do for stage in 0 3; do for tree in "$OLD_TREE" .; do
           name=ab-$([ "$tree" = . ] && echo new || echo old)-s$stage$mode-$round  # old and new in turn, twice
           run "$name" bash -c "cd '$tree' && PYTHONPATH=. $PY -m train --model ${AB_MODEL:-gpt2-small} --nproc 1 \
             --precision ${AB_PRECISION:-bf16} --steps ${AB_STEPS:-30} --stage $stage $mode --out '$OUT/$name'"
