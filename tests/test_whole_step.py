@@ -155,47 +155,6 @@ def test_stage_3_compiled_by_inductor_with_gloo_s_ops_trains_like_eager():
                                                           f"(a block {block}, the bound {root + 2 * block})"
 
 
-def _16_bit_weights_after_compiled_steps(stage: int):
-    """Per compiled step (bf16 weights, fp32 masters, 2 ranks), for every unit: how far this rank's slot of
-    the weights (all of them at stage 0, its shard at 3) is from its master rounded to bf16, and how far the
-    whole weights are apart between the ranks (stages 1-2, which gather them after the update)."""
-    import torch.distributed as dist
-    from zerofunc.whole_step import WholeStep
-    WholeStep.backend = "aot_eager"
-    with torch.device("meta"):
-        model = GPT(CFG)
-    engine = ZeroEngine(model, STAGES[stage], DistCommunicator(link=None), OPTIM, precision="bf16",
-                        init=lambda n, s: model.init_param(n, s, 0), compile="whole")
-    g = torch.Generator().manual_seed(engine.comm.rank)
-    rank, world, out = engine.comm.rank, engine.comm.world_size, []
-    for _ in range(2):
-        loss = train_step(engine, [[torch.randint(0, CFG.vocab_size, (2, 11), generator=g) for _ in range(2)]])
-        for u in engine.units:
-            n = u.master.numel()
-            mine = u.params if stage in (0, 3) else u.params[rank * n:(rank + 1) * n]
-            apart = torch.zeros(())
-            if stage in (1, 2):
-                every = [torch.empty_like(u.params) for _ in range(world)]
-                dist.all_gather(every, u.params)
-                apart = max((e.float() - u.params.float()).abs().max() for e in every)
-            out.append((u.params.dtype, (mine.float() - u.master.to(torch.bfloat16).float()).abs().max().item(),
-                        apart.item(), loss.item()))
-    return out
-
-
-@pytest.mark.parametrize("stage", [0, 1, 3])
-def test_compiled_whole_16_bit_weights_are_their_masters_rounded(stage):
-    """bf16 training compiled whole: after every step each unit's 16-bit weights are its fp32 master
-    rounded, exactly (a rounding, no arithmetic to reorder), and at stages 1-2 the same on every rank.
-    Stage 0 and 3 copy the master into the weights (whole_step.py, "16-bit weights"), stage 1 gathers the
-    rounded masters; a weight left unrefreshed is a step's update away from its master."""
-    for dtype, from_master, apart, loss in (r for rank in in_world(2, _16_bit_weights_after_compiled_steps, stage)
-                                            for r in rank):
-        assert dtype == torch.bfloat16 and loss == loss
-        assert from_master == 0.0, f"stage {stage}: weights {from_master:.1e} from their rounded master"
-        assert apart == 0.0, f"stage {stage}: the ranks' weights differ by {apart:.1e}"
-
-
 def _hugging_face_gpt2(stage: int):
     import zerofunc
     from tests.test_hf import hf_model

@@ -75,6 +75,6 @@ def as_text(info: dict) -> str:
          + "; simulated worlds use PyTorch's fake process group"),
         ("fused kernels", "in use (Triton)" if info["fused_kernels"] else "not in use (torch reference; Triton runs on CUDA)"),
         ("torch.compile", "on" if info["compile"] else "off"),
-    ] + ([("allocator", info["allocator"] or "torch's defaults")] if info.get("allocator") is not None else [])
+    ] + ([("allocator", info["allocator"] or "torch's defaults")] if info["allocator"] is not None else [])
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.rjust(width)}  {v}" for k, v in rows)
