@@ -58,8 +58,15 @@ run() {  # run NAME CMD...: CMD's output to $OUT/NAME.txt and to the terminal, i
     echo "== $name: not run, the part's $LIMIT s are spent" | tee -a "$OUT/parts.txt"; failed=$((failed + 1)); return
   fi
   if [ "$LIMIT" -gt 0 ]; then set -- timeout -k 5 "$left" "$@"; fi
-  "$@" 2>&1 | tee "$OUT/$name.txt"
-  local code=${PIPESTATUS[0]}
+  # In the background, its output through a process substitution, so that the part ends when CMD does:
+  # with a pipe to tee the part waited for whatever still held the output. timeout leads a process group
+  # of its own (its pid names it), and what is left in it is killed: the seventh run's orphaned rank,
+  # which hung the script until the device call's limit.
+  "$@" > >(tee "$OUT/$name.txt") 2>&1 &
+  local pid=$!
+  wait "$pid"
+  local code=$?
+  if [ "$LIMIT" -gt 0 ]; then kill -KILL -- "-$pid" 2>/dev/null; fi
   echo "== $name: exit $code in $((SECONDS - t0)) s" | tee -a "$OUT/parts.txt"
   [ "$code" -eq 0 ] || failed=$((failed + 1))
 }

@@ -196,9 +196,10 @@ def test_another_process_cannot_take_the_port_before_the_ranks_start(monkeypatch
     """Just before each rank starts, a thief tries to listen on the (host, port) the launcher hands it
     (the launcher passes ranks their rendezvous address as one argument): it must find it taken, and the
     world must start all the same."""
-    from zerofunc.launch import _start_method, spawn
+    from zerofunc.fork_server import start_method
+    from zerofunc.launch import spawn
 
-    Process = _start_method().Process  # the launcher's kind (forkserver, or spawn)
+    Process = start_method().Process  # the launcher's kind (forkserver, or spawn)
 
     tries, held = [], []
     real_start = Process.start

@@ -26,7 +26,8 @@ def configure(device: torch.device) -> bool:
         return False
     # at run time, not only through the variable: a rank forked from a server that imported torch
     # may already have read its configuration
-    torch.cuda.memory._set_allocator_settings(DEFAULT)
+    # (torch's accelerator-wide setter: the CUDA one, which calls it, warns on torch 2.11, the floor)
+    torch._C._accelerator_setAllocatorSettings(DEFAULT)
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = DEFAULT
     return True
 

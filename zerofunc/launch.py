@@ -18,7 +18,8 @@ request (`stop_signal`), which the caller acts on at a point of its choosing: th
 launcher forwards it to every rank as SIGTERM. Copies of one request arrive together (a
 terminal's Ctrl-C reaches the launcher and the ranks at once; torchrun forwards the
 signal it gets), so only a signal more than `REPEAT_S` after the first counts as a
-second one, and that one stops at once.
+second one, and that one stops at once. A SIGTERM to the launcher's whole process group (GNU timeout,
+a scheduler) reaches the ranks as well, but not the fork server they start from (fork_server.py).
 
 Ranks end with `os._exit` right after destroying the group: torch 2.13 with gloo can
 otherwise abort at interpreter exit after all work is done (see DESIGN.md).
@@ -34,12 +35,12 @@ import socket
 import threading
 import time
 import traceback
-from multiprocessing import reduction
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from zerofunc.fork_server import LaunchersOutput, start_method
 
 REPEAT_S = 1.0  # a signal this long after the first is a second request: stop at once
 DEFAULT_COMM_TIMEOUT_S = 300.0
@@ -164,45 +165,9 @@ def _rendezvous(comm_timeout: float) -> dist.TCPStore:
     return store
 
 
-# What a rank's fork server imports once, before any rank starts (see _start_method). torch._dynamo too:
-# every rank imports it (a model built on the meta device draws its init through torch._refs, which
-# imports it), 2.7 s of CPU a rank here, which was most of a small run's time.
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "zerofunc.engine", "zerofunc.step"]
-
-
-def _start_method() -> mp.context.BaseContext:
-    """Ranks fork from a server that has imported torch and the engine once (multiprocessing's forkserver,
-    where the platform has one), so a rank starts in a fraction of a second instead of importing them
-    anew, about 2 s of CPU each: a world of 4 on 2 cores started in 4 s. The server only imports: it
-    never initializes CUDA or starts a thread pool, which is what makes forking from it safe (PyTorch's
-    multiprocessing notes: CUDA needs spawn or forkserver). Elsewhere, spawn."""
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    return ctx
-
-
-class _LaunchersOutput:
-    """The launcher's stdout and stderr as they are when a rank starts, handed to it as file descriptors:
-    a fork server's own are those of the moment it started (a test's capture of an earlier test, a
-    file the caller has since redirected away from). Duplicated only while the rank is being started."""
-
-    def __reduce__(self):
-        return _take_output, (reduction.DupFd(1), reduction.DupFd(2))
-
-
-def _take_output(out, err) -> None:
-    for fd, held in ((1, out), (2, err)):
-        got = held.detach()
-        if got != fd:
-            os.dup2(got, fd)
-            os.close(got)
-
-
 def _rank_main(rank: int, nproc: int, store_addr: tuple[str, int], backend: str, comm_timeout: float, progress,
                results, fn, args, environ: dict, output: None) -> None:
-    """`output` is `_LaunchersOutput()`: unpickling it in the rank already took the launcher's output."""
+    """`output` is `LaunchersOutput()`: unpickling it in the rank already took the launcher's output."""
     global _progress, _comm_timeout
     _progress, _comm_timeout = progress, comm_timeout
     catch_stop_signals()
@@ -253,13 +218,13 @@ def spawn(fn: Callable[..., Any], nproc: int, *args, backend: str = "gloo", time
     """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
-    ctx = _start_method()
+    ctx = start_method()
     results = ctx.Queue()
     progress = ctx.Array("q", nproc, lock=False)
     store = _rendezvous(comm_timeout)  # held until the ranks are gone
     procs = [ctx.Process(target=_rank_main, daemon=True,
                          args=(r, nproc, ("127.0.0.1", store.port), backend, comm_timeout, progress, results,
-                               fn, args, dict(os.environ), _LaunchersOutput()))
+                               fn, args, dict(os.environ), LaunchersOutput()))
              for r in range(nproc)]
     requests = StopRequests()
 

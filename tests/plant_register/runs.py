@@ -131,4 +131,10 @@ PLANTS: list[Plant] = [
     Plant("allocator_overrides_the_user", "zerofunc/allocator.py",
           "any(v in os.environ for v in CONFIG_VARIABLES)", "False",
           "the trainer replaces an allocator configuration the user set", "issue 33", ("tests/test_allocator.py",)),
+    # -- the launcher under a process group's SIGTERM (the seventh GPU run) ----------------------------
+    Plant("fork_server_dies_of_sigterm", "zerofunc/fork_server.py",
+          "before = signal.signal(signal.SIGTERM, signal.SIG_IGN)", "before = signal.getsignal(signal.SIGTERM)",
+          "a SIGTERM to the process group (timeout, a scheduler) kills the fork server: the launcher reports every "
+          "rank dead with exit code 255 and exits, leaving the ranks running", "GPU run 7",
+          ("tests/test_launch.py::test_a_sigterm_to_the_whole_process_group_lets_the_ranks_stop_at_their_step",)),
 ]
