@@ -5,9 +5,13 @@ no in-place op in a gradient's tail, which a model's graph may (inductor's reinp
 into index_put_). Moving such an op ahead of a node that reads what it writes would change that node's value."""
 from __future__ import annotations
 
+import operator
+
+import pytest
 import torch
 import torch.fx
 
+from zerofunc.broadcast_gather import BROADCAST_GATHER_INTO
 from zerofunc.comm_schedule import overlap
 
 aten, c10d = torch.ops.aten, torch.ops._c10d_functional
@@ -54,19 +58,27 @@ def test_the_first_reduction_completes_before_the_second_is_issued():
     assert order.index(first_done) == order.index(second) - 1, [n.name for n in order]
 
 
-def _update_graph(read_old_weights_late: bool = False):
+def _update_graph(read_old_weights_late: bool = False, into_weights: bool = False):
     """The update's graph at stages 1-2 as dynamo traces it, two units: each unit's AdamW (`new`), the gather
-    of the new weights (a broadcast, waited for at once, the ranks' slots concatenated), and, at the graph's end,
-    functionalization's write-back of the weights. With `read_old_weights_late`, a node before the write-backs
-    reads unit 0's old weights."""
+    of the new weights (a broadcast, waited for at once, the ranks' slots concatenated; `into_weights`: on gloo,
+    zerofunc's op that broadcasts into the weights, functionalized, read through a getitem), and, at the graph's
+    end, functionalization's write-back of the weights. With `read_old_weights_late`, a node before the
+    write-backs reads unit 0's old weights."""
     g = torch.fx.Graph()
     weights, moments = [g.placeholder(f"w{k}") for k in range(2)], [g.placeholder(f"m{k}") for k in range(2)]
     nodes = {}
     for k in range(2):
         nodes[f"new{k}"] = new = g.call_function(aten.mul.Tensor, (moments[k], 2.0))
-        nodes[f"issue{k}"] = issue = g.call_function(c10d.broadcast.default, (new, 0, "0"))
-        nodes[f"wait{k}"] = wait = g.call_function(c10d.wait_tensor.default, (issue,))
-        nodes[f"cat{k}"] = g.call_function(aten.cat.default, ([wait, wait],))
+        if into_weights:
+            nodes[f"issue{k}"] = issue = g.call_function(torch.ops.higher_order.auto_functionalized_v2, (
+                BROADCAST_GATHER_INTO,), {"shard": new, "world": 2, "group_name": "0", "_whole_base_index": 0,
+                                          "_all_bases": [weights[k]]})
+            nodes[f"cat{k}"] = result = g.call_function(operator.getitem, (issue, 1))
+            nodes[f"wait{k}"] = g.call_function(c10d.wait_tensor.default, (result,))
+        else:
+            nodes[f"issue{k}"] = issue = g.call_function(c10d.broadcast.default, (new, 0, "0"))
+            nodes[f"wait{k}"] = wait = g.call_function(c10d.wait_tensor.default, (issue,))
+            nodes[f"cat{k}"] = g.call_function(aten.cat.default, ([wait, wait],))
     if read_old_weights_late:
         nodes["reader"] = g.call_function(aten.add.Tensor, (weights[0], 1.0))
     for k in range(2):
@@ -75,18 +87,21 @@ def _update_graph(read_old_weights_late: bool = False):
     return g, nodes
 
 
-def test_the_update_s_gathers_overlap_the_next_unit_s_adamw_and_write_back_at_once():
+@pytest.mark.parametrize("into_weights", [False, True])
+def test_the_update_s_gathers_overlap_the_next_unit_s_adamw_and_write_back_at_once(into_weights):
     """Unit 0's gather is in flight while unit 1's AdamW computes (tests/plants.py:
     whole_step_update_gathers_waited_at_once), and its weights are written as soon as it completes, before
     unit 1's gather is issued, not at the graph's end (whole_step_update_written_back_late): a write-back left
-    at the end keeps every unit's gathered copy alive to it, the whole model twice."""
-    g, n = _update_graph()
+    at the end keeps every unit's gathered copy alive to it, the whole model twice. Never before the wait:
+    broadcast into the weights, the result is read through a getitem that precedes it, and written back from
+    there it would copy slots still being received (comm_schedule_writes_back_before_the_wait)."""
+    g, n = _update_graph(into_weights=into_weights)
     overlap(g, gather_depth=None, reductions=False, gathers_in_turn=True)
     g.lint()
     order = [m.name for m in g.nodes]
     at = {k: order.index(v.name) for k, v in n.items()}
     assert at["issue0"] < at["new1"] < at["wait0"], order
-    assert at["cat0"] < at["write0"] < at["issue1"], order
+    assert at["cat0"] < at["write0"] < at["issue1"] and at["wait0"] < at["write0"], order
 
 
 def test_a_write_back_stays_after_a_reader_of_the_old_weights():

@@ -36,7 +36,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 
 from sim.cost import Link, issued_as
-from zerofunc.broadcast_gather import broadcast_gather
+from zerofunc.broadcast_gather import broadcast_gather, broadcast_gather_into
 from zerofunc.comm import Communicator, Handle
 
 # ---- eager: a Communicator's op on buffers in place; the handle is waited on by the caller ------------------------
@@ -117,6 +117,16 @@ def gathered(shard: torch.Tensor, group: Group) -> torch.Tensor:
         return funcol.all_reduce(torch.cat([filler(group.rank), shard, filler(group.world - group.rank - 1)]), "sum",
                                  group.name)
     return _all_gather(shard, 0, group.name)
+
+
+def gathered_into(weights: torch.Tensor, shard: torch.Tensor, group: Group) -> None:
+    """`weights` written with every rank's `shard`, in rank order: on gloo's broadcasts straight into them,
+    as the eager step gathers (zerofunc/broadcast_gather.py), else through `gathered`'s fresh buffer."""
+    if group.gather_op == "broadcast":
+        broadcast_gather_into(weights, shard, group.world, group.name)
+        funcol.wait_tensor(weights)
+    else:
+        weights.copy_(gathered(shard, group))
 
 
 def scattered_gradient(grad: torch.Tensor, group: Group) -> torch.Tensor:

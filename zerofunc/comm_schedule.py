@@ -21,8 +21,9 @@ gradient alive to the end. This pass moves them within ZeRO's bounds:
 5. in the update's graph (stages 1-2), where each unit's new weights are gathered as its AdamW ends, each
    gather completes just before the next is issued: one unit's gather in flight while the next unit's
    AdamW computes, where dynamo traced each waited for at once; and its write into the weights (the graph's
-   input, which functionalization writes at the graph's end) follows at once, so that no unit's gathered
-   copy is kept to the end, which would hold the whole model twice.
+   input, which functionalization writes at the graph's end) follows its completion at once, so that no
+   unit's gathered copy is kept to the end, which would hold the whole model twice (on gloo the gather
+   writes the weights themselves, and inductor drops that write: zerofunc/broadcast_gather.py).
 
 So the bytes gathered at once stay what the eager step holds (the root unit, the computing block and
 `gather_depth` prefetched), which tests/test_whole_step.py reads back from the graphs; the values are
@@ -34,7 +35,7 @@ from typing import Callable
 
 import torch
 
-from zerofunc.compiled_graphs import MATMULS, WAIT, is_collective, is_gather, is_reduction
+from zerofunc.compiled_graphs import MATMULS, WAIT, completing, is_collective, is_gather, is_reduction
 
 
 def _groups(graph: torch.fx.Graph, which: Callable[[torch.fx.Node], bool]) -> list[tuple[list, list]]:
@@ -47,7 +48,7 @@ def _groups(graph: torch.fx.Graph, which: Callable[[torch.fx.Node], bool]) -> li
     for i, n in enumerate(nodes):
         if is_collective(n) and which(n):
             owner[n] = i
-            for w in (u for u in n.users if u.target is WAIT):
+            for w in completing(n):
                 owner[w] = i
             continue
         ins = n.all_input_nodes
@@ -163,12 +164,15 @@ def _mutates(n: torch.fx.Node) -> bool:
 
 def _written_back_at_once(completion: list, graph: torch.fx.Graph) -> None:
     """Move each write of `completion` into a graph input (`copy_`, functionalization's write-back of a mutated
-    input) to just after the node it copies, unless a node before its place reads that input after it."""
+    input) to just after the completion's last node, unless a node before that place reads that input after it.
+    Not after the node it copies: a gather into the weights is read through a getitem ahead of its wait, and
+    written back from there it would copy slots still being received."""
     for c in completion:
         for write in [u for u in c.users if u.target is torch.ops.aten.copy_.default and u.args[1] is c]:
             dest = write.args[0]
             where = _positions(graph)
-            if dest.op != "placeholder" or where[write] < where[c]:
+            done = max(completion, key=where.__getitem__)
+            if dest.op != "placeholder" or where[write] < where[done]:
                 continue
-            if all(where[r] < where[c] for r in dest.users if r is not write):
-                c.append(write)
+            if all(where[r] < where[done] for r in dest.users if r is not write):
+                done.append(write)

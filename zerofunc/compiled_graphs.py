@@ -5,15 +5,19 @@ and the most gathered bytes alive at any node); and each time a compiled graph r
 collectives that run issued, so that the ledger holds what the compiled step sent, as the eager step's does."""
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 
-from zerofunc.broadcast_gather import BROADCAST_GATHER
+from zerofunc.broadcast_gather import BROADCAST_GATHER, BROADCAST_GATHER_INTO
 from zerofunc.collectives import GATHER
 
 WAIT = torch.ops._c10d_functional.wait_tensor.default
+# functionalization's wrappers of a custom op that mutates an input (broadcast_gather_into)
+FUNCTIONALIZED = tuple(getattr(torch.ops.higher_order, name) for name in ("auto_functionalized", "auto_functionalized_v2")
+                       if hasattr(torch.ops.higher_order, name))
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")  # as the ledger names them (sim/ledger.py)
 MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
            torch.ops.aten.baddbmm.default}
@@ -166,9 +170,9 @@ def read_collectives(graph: torch.fx.Graph) -> GraphCollectives:
         tensors = [t for t in (payload if isinstance(payload, (list, tuple)) else [payload])
                    if isinstance(t, torch.Tensor)]
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        waits = [where[u] for u in n.users if u.target is WAIT]
+        waits = [where[u] for u in completing(n) if u.target is WAIT]
         overlapped = sum(1 for m in nodes[where[n]:min(waits, default=where[n])] if m.target in MATMULS)
-        ranks = n.args[1] if n.target is BROADCAST_GATHER else 1  # its broadcasts, a rank's slot each, as eager's
+        ranks = _broadcasts(n)
         functions = _functions(n)
         collectives += [Collective(op, tensors[0].dtype, nbytes // ranks, all(t.dim() == 0 for t in tensors),
                                    functions, overlapped)] * ranks
@@ -179,9 +183,32 @@ def read_collectives(graph: torch.fx.Graph) -> GraphCollectives:
     return GraphCollectives(graph_phase(graph), collectives, peak)
 
 
+def _called(n: torch.fx.Node):
+    """The op `n` calls: its target, or the mutating custom op that functionalization's wrapper calls."""
+    return n.args[0] if n.op == "call_function" and n.target in FUNCTIONALIZED else n.target
+
+
+def _broadcasts(n: torch.fx.Node) -> int:
+    """How many collectives the gather `n` issues: one broadcast per rank of its group for zerofunc's ops
+    (zerofunc/broadcast_gather.py), as the eager step issues them; else 1."""
+    op = _called(n)
+    if op is BROADCAST_GATHER:
+        return n.args[1]
+    if op is BROADCAST_GATHER_INTO:
+        return n.kwargs["world"] if n.target is not op else n.args[2]
+    return 1
+
+
+def completing(n: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes that complete the collective `n`: its waits; for a functionalized op, the results it is read
+    through (getitem) and their waits."""
+    results = [u for u in n.users if u.target is operator.getitem] if n.target in FUNCTIONALIZED else []
+    return results + [u for m in [n, *results] for u in m.users if u.target is WAIT]
+
+
 def _ledger_op(n: torch.fx.Node) -> Optional[str]:
     """The ledger's name for the collective `n` issues; None where `n` issues none (a wait is no collective)."""
-    if n.op == "call_function" and n.target is BROADCAST_GATHER:  # one broadcast per rank (read_collectives)
+    if n.op == "call_function" and _called(n) in (BROADCAST_GATHER, BROADCAST_GATHER_INTO):  # one broadcast per rank
         return "broadcast"
     name = getattr(n.target, "__name__", str(n.target))
     if n.op != "call_function" or "_c10d_functional" not in str(n.target) or "wait" in name:

@@ -54,7 +54,7 @@ from zerofunc.binding import installed
 from zerofunc.comm_schedule import overlap
 from zerofunc.compiled_graphs import Collective, CompiledGraphs
 from zerofunc.state import OptimizerState
-from zerofunc.collectives import Group, ReducedGradient, gathered, reduced_gradient, summed
+from zerofunc.collectives import Group, ReducedGradient, gathered_into, reduced_gradient, summed
 from zerofunc.whole_weights import Unflattened, gathered_parameters, recompute_gathers, span_in
 
 
@@ -279,6 +279,6 @@ class WholeStep:
                 if span is None or not gathering:
                     master.copy_(new)
                 if gathering:
-                    unit.params.copy_(gathered(new.to(unit.params.dtype), self.groups[unit.name]))
+                    gathered_into(unit.params, new.to(unit.params.dtype), self.groups[unit.name])
                 elif span is None:  # 16-bit weights: the master's new rounding
                     unit.params.copy_(master)

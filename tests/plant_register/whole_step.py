@@ -65,7 +65,7 @@ PLANTS: list[Plant] = [
           "block's matmuls: nothing is left to overlap it with",
           "issue 31", ("tests/test_whole_step.py::test_compiled_stage_3_keeps_its_blocks_and_the_prefetched_gathered",)),
     Plant("whole_step_ranks_issue_apart", "zerofunc/broadcast_gather.py",
-          "             for r in range(world)]\n", "             for r in sorted(range(world), reverse=rank > 0)]\n",
+          "             for r in range(group.size())]\n", "             for r in sorted(range(group.size()), reverse=rank > 0)]\n",
           "the ranks of the compiled step issue a gather's broadcasts in different orders (as the overlap pass "
           "once moved them, ordered by id()): gloo pairs collectives by issue order, and the ranks hang",
           "issue 31", ("tests/test_whole_step.py::test_stage_3_compiled_by_inductor_with_gloo_s_ops_trains_like_eager",)),
@@ -101,11 +101,22 @@ PLANTS: list[Plant] = [
           "copy lives to it, the whole model twice",
           "issue 31", ("tests/test_comm_schedule.py::test_the_update_s_gathers_overlap_the_next_unit_s_adamw_and_write_back_at_once",)),
     Plant("comm_schedule_writes_back_over_a_reader", "zerofunc/comm_schedule.py",
-          "            if all(where[r] < where[c] for r in dest.users if r is not write):",
+          "            if all(where[r] < where[done] for r in dest.users if r is not write):",
           "            if True:",
           "the overlap pass moves a write-back of new weights ahead of a node that reads the old ones: that node "
           "reads the new",
           "issue 31", ("tests/test_comm_schedule.py::test_a_write_back_stays_after_a_reader_of_the_old_weights",)),
+    Plant("whole_step_update_gathers_into_a_copy", "zerofunc/collectives.py",
+          '    if group.gather_op == "broadcast":\n        broadcast_gather_into(', '    if False:\n        broadcast_gather_into(',
+          "stages 1-2's compiled update gathers each unit's new weights into a fresh buffer and copies it over the "
+          "weights: every gathered byte written twice more than the eager step writes it, and a fresh buffer's pages",
+          "issue 31", ("tests/test_whole_step_update.py",)),
+    Plant("comm_schedule_writes_back_before_the_wait", "zerofunc/comm_schedule.py",
+          "            done = max(completion, key=where.__getitem__)\n", "            done = c\n",
+          "the overlap pass writes a gather's result back into the weights right after the node it copies: a gather "
+          "broadcast into the weights is read through a getitem ahead of its wait, so where inductor does not drop "
+          "the write (aot_eager) it copies slots still being received",
+          "issue 31", ("tests/test_comm_schedule.py::test_the_update_s_gathers_overlap_the_next_unit_s_adamw_and_write_back_at_once",)),
     Plant("broadcast_gather_own_slot_unwritten", "zerofunc/broadcast_gather.py",
           "    whole[rank * n:(rank + 1) * n].copy_(shard)\n", "",
           "the compiled step's gather on gloo broadcasts each rank's slot before writing the rank's own shard into "
