@@ -49,7 +49,7 @@ def _start_server() -> None:
     try:
         multiprocessing.forkserver.ensure_running()  # forks and execs the server; returns at once
     finally:
-        signal.signal(signal.SIGTERM, before)
+        signal.signal(signal.SIGTERM, before if before is not None else signal.SIG_DFL)  # None: set outside Python
 
 
 class LaunchersOutput:
