@@ -140,7 +140,7 @@ PLANTS: list[Plant] = [
           "bf16 training compiled whole at stages 0 and 3 updates the fp32 masters and never the bf16 weights the "
           "forward uses: the model stops learning", "issue 31", ("tests/test_whole_step_bf16.py",)),
     Plant("whole_16_bit_weights_not_gathered", "zerofunc/whole_step.py",
-          "                    unit.params.copy_(gathered(new.to(unit.params.dtype), self.groups[unit.name]))\n",
+          "                    gathered_into(unit.params, new.to(unit.params.dtype), self.groups[unit.name])\n",
           "                    pass\n",
           "bf16 training compiled whole at stages 1-2 never gathers the updated masters into the weights", "issue 31",
           ("tests/test_whole_step_bf16.py",)),
