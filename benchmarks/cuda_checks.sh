@@ -18,7 +18,8 @@
 #                                          WHOLE_STAGES="0 1 2 3" for every stage, WHOLE_MODES="whole eager" for eager beside)
 #   ab                                    (on demand, its own call, about 8 minutes for 13 of its 16 runs on an H200, 2026-11-27: AB_STEPS=20 for all; OLD_TREE=DIR: an older commit's trainer beside this one,
 #                                          gpt2-small stages 0 and 3, compiled blocks and eager, in turn, twice;
-#                                          AB_MODES=--compile or --no-compile: one of the two)
+#                                          AB_MODES=--compile or --no-compile: one of the two; the compiled half's 8 runs
+#                                          took 29-39 s each on an H200, 2026-11-28)
 #   overhead                              (on demand, about 1 minute a tree: the default job's step, eager, stages 0 and 3,
 #                                          timed and profiled by cProfile; with OLD_TREE, that tree's first; this
 #                                          tree's also compiled; --thread-ab: the tape's autograd on the calling
