@@ -121,7 +121,9 @@ def gathered(shard: torch.Tensor, group: Group) -> torch.Tensor:
 
 def gathered_into(weights: torch.Tensor, shard: torch.Tensor, group: Group) -> None:
     """`weights` written with every rank's `shard`, in rank order: on gloo's broadcasts straight into them,
-    as the eager step gathers (zerofunc/broadcast_gather.py), else through `gathered`'s fresh buffer."""
+    as the eager step gathers (zerofunc/broadcast_gather.py), else through `gathered`'s fresh buffer (funcol's
+    `all_gather_into_tensor_out` into the weights compiles to that buffer and a copy too, torch 2.13; on a GPU
+    the copy is a fraction of a millisecond)."""
     if group.gather_op == "broadcast":
         broadcast_gather_into(weights, shard, group.world, group.name)
         funcol.wait_tensor(weights)
