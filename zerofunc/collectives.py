@@ -123,7 +123,7 @@ def gathered_into(weights: torch.Tensor, shard: torch.Tensor, group: Group) -> N
     """`weights` written with every rank's `shard`, in rank order: on gloo's broadcasts straight into them,
     as the eager step gathers (zerofunc/broadcast_gather.py), else through `gathered`'s fresh buffer (funcol's
     `all_gather_into_tensor_out` into the weights compiles to that buffer and a copy too, torch 2.13; on a GPU
-    the copy is a fraction of a millisecond)."""
+    the copy runs at HBM's bandwidth: about 10 ms a step for Llama-3-8B's 16 GB of bf16 weights on an H100)."""
     if group.gather_op == "broadcast":
         broadcast_gather_into(weights, shard, group.world, group.name)
         funcol.wait_tensor(weights)
