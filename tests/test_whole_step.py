@@ -119,17 +119,21 @@ def test_the_whole_step_trains_like_eager_and_sends_what_it_sends():
             assert param_err <= 1e-5, f"stage {stage}: parameters differ by {param_err:.1e}"
 
 
-def _stage_3_under_inductor_with_the_stand_ins():
-    import zerofunc.comm
-    import zerofunc.collectives
+def eager_and_whole_with_the_stand_ins(stage: int):
+    """`stage` eager and compiled whole, both with gloo's ops: the compiled engine, its losses' and parameters' error."""
+    import zerofunc.collectives, zerofunc.comm  # noqa: E401
     zerofunc.comm.issued_as = zerofunc.collectives.issued_as = _every_stand_in
-    (eager, eager_losses, _), (whole, whole_losses, _) = _train(3, False), _train(3, "whole")
+    (eager, eager_losses, _), (whole, whole_losses, _) = _train(stage, False), _train(stage, "whole")
     ep, wp = eager.full_parameters(), whole.full_parameters()
+    return (whole, max(abs(x - y) / abs(x) for x, y in zip(eager_losses, whole_losses)),
+            max(((wp[n] - ep[n]).norm() / ep[n].norm()).item() for n in ep))
+
+
+def _stage_3_under_inductor_with_the_stand_ins():
+    whole, loss_err, param_err = eager_and_whole_with_the_stand_ins(3)
     root, block = (4 * u.layout.padded_numel for u in (whole.units[0], whole.units[1]))
-    return (max(abs(x - y) / abs(x) for x, y in zip(eager_losses, whole_losses)),
-            max(((wp[n] - ep[n]).norm() / ep[n].norm()).item() for n in ep),
-            root, block, [(g.phase, {c.op for c in g.collectives if c.gathers}, g.peak_gathered_bytes)
-                          for g in whole.whole.graphs["loss"].graphs])
+    return (loss_err, param_err, root, block, [(g.phase, {c.op for c in g.collectives if c.gathers},
+                                                g.peak_gathered_bytes) for g in whole.whole.graphs["loss"].graphs])
 
 
 @pytest.mark.slow

@@ -194,8 +194,8 @@ def _broadcasts(n: torch.fx.Node) -> int:
     op = _called(n)
     if op is BROADCAST_GATHER:
         return n.args[1]
-    if op is BROADCAST_GATHER_INTO:
-        return n.kwargs["world"] if n.target is not op else n.args[2]
+    if op is BROADCAST_GATHER_INTO:  # mutating, so functionalized in every graph: its arguments by name
+        return n.kwargs["world"]
     return 1
 
 
