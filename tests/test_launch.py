@@ -1,6 +1,7 @@
 """The launcher's fork server (zerofunc/fork_server.py): what ranks fork from must leave them able to use CUDA."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -32,13 +33,55 @@ print(",".join(asked))
     assert done.stdout.strip() == "", f"importing the fork server's modules asked CUDA: {done.stdout.strip()}"
 
 
+@contextlib.contextmanager
+def busy_world(tmp_path, world: str):
+    """A launcher of 2 ranks running `world`'s script in a session of its own, once both ranks have
+    written their pid and their parent's (the fork server's) into a file each: (launcher, [(pid, ppid)])."""
+    script, ready = tmp_path / "world.py", tmp_path / "ready"
+    script.write_text(world)
+    ready.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    launcher = subprocess.Popen([sys.executable, str(script), str(ready)], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    ranks = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(ranks) < 2 and launcher.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            ranks = [tuple(map(int, f.read_text().split())) for f in ready.iterdir() if f.read_text().endswith("\n")]
+        assert len(ranks) == 2, launcher.communicate(timeout=30)[0]
+        yield launcher, ranks
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        for pid, _ in ranks:
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` is a process that has not ended (a zombie has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def ended_within(pids, seconds: float) -> list[int]:
+    """Those of `pids` still running after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while any(running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [p for p in pids if running(p)]
+
+
 STOPPING_WORLD = '''
 import os, sys, time
 from pathlib import Path
 from zerofunc import launch
 
 def busy_rank(ready):
-    Path(ready, os.environ["RANK"]).touch()
+    Path(ready, os.environ["RANK"]).write_text(f"{os.getpid()} {os.getppid()}\\n")
     while launch.stop_signal() is None:
         time.sleep(0.05)
     time.sleep(3.0)  # still busy (a compile) well after the signal; then at a step's end it stops
@@ -58,20 +101,38 @@ def test_a_sigterm_to_the_whole_process_group_lets_the_ranks_stop_at_their_step(
     which may be minutes away (a compile): the launcher must wait for them, not report them dead because
     the server that reports their exit codes died, and leave them running without it (the seventh GPU
     run's hang)."""
-    script, ready = tmp_path / "world.py", tmp_path / "ready"
-    script.write_text(STOPPING_WORLD)
-    ready.mkdir()
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    launcher = subprocess.Popen([sys.executable, str(script), str(ready)], env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while len(list(ready.iterdir())) < 2 and launcher.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(list(ready.iterdir())) == 2, launcher.communicate(timeout=30)[0]
+    with busy_world(tmp_path, STOPPING_WORLD) as (launcher, _ranks):
         os.killpg(launcher.pid, signal.SIGTERM)  # its own session: the group is the launcher's alone
         out = launcher.communicate(timeout=60)[0]
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
     assert out.strip().splitlines()[-1] == "['SIGTERM', 'SIGTERM']", out
+
+
+SLEEPING_WORLD = STOPPING_WORLD.replace("while launch.stop_signal() is None:", "while True:")
+
+
+def test_a_launcher_killed_outright_takes_its_ranks_with_it(tmp_path):
+    """A rank is its fork server's child, and the server outlives the launcher while any rank runs: a
+    launcher killed by SIGKILL (or the OOM killer) left both ranks running, holding their memory until
+    a collective timed out (zerofunc/fork_server.py, `Lifeline`). Ranks that sleep on are ended, with
+    time for each to see its pipe close and exit."""
+    with busy_world(tmp_path, SLEEPING_WORLD) as (launcher, ranks):
+        launcher.kill()
+        launcher.wait(timeout=30)
+        assert ended_within([pid for pid, _ in ranks], 30) == []
+        out = launcher.stdout.read()
+    said = [line for line in out.splitlines() if line.startswith("rank ")]  # also: the resource tracker's warning
+    assert sorted(said) == [f"rank {r}: its launcher is gone; exiting" for r in (0, 1)], out
+
+
+def test_a_fork_server_killed_is_named_and_its_ranks_end(tmp_path):
+    """With the fork server killed, the launcher reads exit code 255 for every rank, which are in fact
+    running: it said `rank 0 died (exit code 255)`, claimed the other ranks stopped, and left both
+    running. It must name the server's death and end the ranks."""
+    with busy_world(tmp_path, SLEEPING_WORLD) as (launcher, ranks):
+        (_, server), (_, other) = ranks
+        assert server == other, "both ranks fork from one server"
+        os.kill(server, signal.SIGKILL)
+        out = launcher.communicate(timeout=60)[0]
+        assert out.strip().splitlines()[-1] == ("error: the fork server the ranks start from died (killed by "
+                                                "SIGKILL) before its first step; the ranks were stopped"), out
+        assert ended_within([pid for pid, _ in ranks], 30) == []

@@ -12,6 +12,7 @@ import os
 import signal
 import threading
 from multiprocessing import reduction
+from typing import Optional
 
 import torch.multiprocessing as mp
 
@@ -67,3 +68,60 @@ def _take_output(out, err) -> None:
         if got != fd:
             os.dup2(got, fd)
             os.close(got)
+
+
+def server_death() -> Optional[str]:
+    """How the fork server died ("killed by SIGKILL", "exit code 1"), or None while it runs (or where
+    there is none). Looked at without reaping it: multiprocessing reaps it itself when it next starts
+    one. With the server dead, every rank's exit code reads 255 (its channel closed), whatever the rank
+    is doing."""
+    pid = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)  # private: a CPython detail
+    if pid is None or not hasattr(os, "waitid"):
+        return None
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return None
+    if info is None:
+        return None
+    if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
+        return f"killed by {signal.Signals(info.si_status).name}"
+    return f"exit code {info.si_status}"
+
+
+class Lifeline:
+    """A pipe the launcher holds open while its ranks run: a rank exits when it closes.
+
+    A rank is the fork server's child, not the launcher's, and the server outlives the launcher while
+    any rank does (each holds its liveness pipe, by multiprocessing's design). So a launcher killed
+    outright (SIGKILL, the OOM killer), or one whose fork server died and so cannot see its ranks, left
+    them running: waiting on a collective until its timeout, holding their memory (a GPU's too). Handed
+    to a rank, the read end is watched by a thread there. The launcher `cut`s it when `spawn` ends,
+    saying so first; a launcher that dies says nothing, and the rank says why it exits."""
+
+    def __init__(self):
+        self._read, self._write = os.pipe()
+
+    def __reduce__(self):
+        return _watched, (reduction.DupFd(self._read),)
+
+    def cut(self) -> None:
+        """Any rank still running exits, quietly."""
+        os.write(self._write, b"x")
+        for fd in (self._read, self._write):
+            os.close(fd)
+
+
+def _watched(held) -> None:
+    """In a rank, unpickling its `Lifeline`: the thread that ends the rank when the launcher cuts it."""
+    fd = held.detach()
+    threading.Thread(target=_exit_when_cut, args=(fd,), name="zerofunc-lifeline", daemon=True).start()
+
+
+def _exit_when_cut(fd: int) -> None:
+    if not os.read(fd, 1):  # end of file, nothing said: the launcher died
+        try:  # one write, so that ranks' lines do not interleave
+            os.write(2, f"rank {os.environ.get('RANK', '?')}: its launcher is gone; exiting\n".encode())
+        except OSError:  # the launcher's output may be gone with it
+            pass
+    os._exit(1)

@@ -40,7 +40,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from zerofunc.fork_server import LaunchersOutput, start_method
+from zerofunc.fork_server import LaunchersOutput, Lifeline, server_death, start_method
 
 REPEAT_S = 1.0  # a signal this long after the first is a second request: stop at once
 DEFAULT_COMM_TIMEOUT_S = 300.0
@@ -166,8 +166,9 @@ def _rendezvous(comm_timeout: float) -> dist.TCPStore:
 
 
 def _rank_main(rank: int, nproc: int, store_addr: tuple[str, int], backend: str, comm_timeout: float, progress,
-               results, fn, args, environ: dict, output: None) -> None:
-    """`output` is `LaunchersOutput()`: unpickling it in the rank already took the launcher's output."""
+               results, fn, args, environ: dict, output: None, lifeline: None) -> None:
+    """`output` and `lifeline` are the launcher's `LaunchersOutput()` and `Lifeline`: unpickling them in the
+    rank already took the launcher's output and started the thread that ends the rank with its launcher."""
     global _progress, _comm_timeout
     _progress, _comm_timeout = progress, comm_timeout
     catch_stop_signals()
@@ -202,10 +203,15 @@ def _rank_main(rank: int, nproc: int, store_addr: tuple[str, int], backend: str,
 
 
 def _death(rank: int, proc, progress) -> str:
+    """The line that says rank `rank` is gone (the others are stopped as the launcher ends)."""
+    step = progress[rank]
+    when = f"during step {step}" if step else "before its first step"
+    server = server_death() if proc.exitcode == 255 else None  # 255: what a closed channel reads as
+    if server:  # the ranks' exit codes are then unknown, and the ranks end with the launcher's lifeline
+        return f"the fork server the ranks start from died ({server}) {when}; the ranks were stopped"
     code = proc.exitcode
     how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-    step = progress[rank]
-    return f"rank {rank} died ({how}) {f'during step {step}' if step else 'before its first step'}"
+    return f"rank {rank} died ({how}) {when}; the other ranks were stopped"
 
 
 def spawn(fn: Callable[..., Any], nproc: int, *args, backend: str = "gloo", timeout: Optional[float] = None,
@@ -222,9 +228,10 @@ def spawn(fn: Callable[..., Any], nproc: int, *args, backend: str = "gloo", time
     results = ctx.Queue()
     progress = ctx.Array("q", nproc, lock=False)
     store = _rendezvous(comm_timeout)  # held until the ranks are gone
+    lifeline = Lifeline()  # after the fork server started: it must not hold the pipe
     procs = [ctx.Process(target=_rank_main, daemon=True,
                          args=(r, nproc, ("127.0.0.1", store.port), backend, comm_timeout, progress, results,
-                               fn, args, dict(os.environ), LaunchersOutput()))
+                               fn, args, dict(os.environ), LaunchersOutput(), lifeline))
              for r in range(nproc)]
     requests = StopRequests()
 
@@ -251,8 +258,7 @@ def spawn(fn: Callable[..., Any], nproc: int, *args, backend: str = "gloo", time
             except queue.Empty:
                 gone = dead()
                 if gone and results.empty():
-                    raise RankError(f"{_death(gone[0], procs[gone[0]], progress)}; the other ranks were "
-                                    f"stopped") from None
+                    raise RankError(_death(gone[0], procs[gone[0]], progress)) from None
                 if deadline is not None and time.monotonic() > deadline:
                     missing = [r for r in range(nproc) if r not in out]
                     raise RankError(f"ranks {missing} gave no result in {timeout:.0f} s") from None
@@ -264,7 +270,7 @@ def spawn(fn: Callable[..., Any], nproc: int, *args, backend: str = "gloo", time
                         time.sleep(0.05)
                     gone = dead(but=rank)
                     if gone and procs[gone[0]].exitcode != 1:  # 1: it reported a failure of its own
-                        value = f"{_death(gone[0], procs[gone[0]], progress)}; the other ranks were stopped"
+                        value = _death(gone[0], procs[gone[0]], progress)
                 raise RankError(value, detail, bad_input)
             out[rank] = value
     finally:
@@ -272,6 +278,7 @@ def spawn(fn: Callable[..., Any], nproc: int, *args, backend: str = "gloo", time
             p.join(timeout=30 if len(out) == nproc else 1)
             if p.is_alive():
                 p.kill()
+        lifeline.cut()  # a rank this process cannot see (its fork server died) exits
         del store  # stop serving the rendezvous: every rank has ended
         for s, handler in saved.items():
             signal.signal(s, handler)

@@ -102,7 +102,7 @@ PLANTS: list[Plant] = [
           "the launcher's unauthenticated rendezvous store is reachable from the network", "issue 30 (doors)",
           ("tests/test_torchrun.py::test_the_launcher_s_store_listens_on_loopback_only",)),
     Plant("ranks_write_to_the_fork_server_s_output", "zerofunc/launch.py",
-          "fn, args, dict(os.environ), LaunchersOutput()))", "fn, args, dict(os.environ), None))",
+          "fn, args, dict(os.environ), LaunchersOutput(), lifeline))", "fn, args, dict(os.environ), None, lifeline))",
           "ranks forked from the fork server print where the launcher's output went when the server started "
           "(an earlier redirect), not where it goes now", "issue 30 (suite time: forkserver)",
           ("tests/test_faults.py::test_a_save_that_fails_can_be_passed_over",)),

@@ -137,4 +137,16 @@ PLANTS: list[Plant] = [
           "a SIGTERM to the process group (timeout, a scheduler) kills the fork server: the launcher reports every "
           "rank dead with exit code 255 and exits, leaving the ranks running", "GPU run 7",
           ("tests/test_launch.py::test_a_sigterm_to_the_whole_process_group_lets_the_ranks_stop_at_their_step",)),
+    # -- a launcher or fork server killed outright ---------------------------------------------------------
+    Plant("ranks_outlive_a_killed_launcher", "zerofunc/fork_server.py",
+          'threading.Thread(target=_exit_when_cut, args=(fd,), name="zerofunc-lifeline", daemon=True).start()',
+          "del fd",
+          "a launcher killed by SIGKILL (or whose fork server died) leaves its ranks running, holding their memory "
+          "until a collective times out", "launcher faults",
+          ("tests/test_launch.py::test_a_launcher_killed_outright_takes_its_ranks_with_it",
+           "tests/test_launch.py::test_a_fork_server_killed_is_named_and_its_ranks_end")),
+    Plant("fork_server_death_read_as_a_rank_s", "zerofunc/launch.py",
+          "server = server_death() if proc.exitcode == 255 else None", "server = None",
+          "a dead fork server is reported as rank 0 dying with exit code 255, the running ranks as stopped",
+          "launcher faults", ("tests/test_launch.py::test_a_fork_server_killed_is_named_and_its_ranks_end",)),
 ]
