@@ -17,6 +17,7 @@ from zerofunc.comm import DistCommunicator
 from zerofunc.engine import ZeroEngine
 from zerofunc.models import GPT, GPTConfig
 from zerofunc.overlap import Overlap
+from zerofunc.recompute import ActivationCheckpointing
 from zerofunc.stages import STAGES
 from zerofunc.step import train_step
 
@@ -26,14 +27,14 @@ SMALL = GPTConfig(n_layer=3, n_head=2, n_embd=24, vocab_size=40, block_size=16)
 STEPS, ACCUM, CLIP = 3, 2, 0.05  # a clip below the gradients' norm, so every step clips (asserted)
 
 
-def _train(stage: int, compile, overlap: Overlap = Overlap()):
+def trained(stage: int, compile, overlap: Overlap = Overlap(), checkpointing=ActivationCheckpointing()):
     with torch.device("meta"):
         model = GPT(CFG)
     # link=None: the eager step issues each collective as the paper names it, as the compiled graphs do (on gloo
     # it would issue a gather as broadcasts, by measured rates: zerofunc/comm.py)
     engine = ZeroEngine(model, STAGES[stage], DistCommunicator(link=None), OPTIM,
                         init=lambda n, s: model.init_param(n, s, 0), compile=compile, grad_accum=ACCUM, clip=CLIP,
-                        overlap=overlap)
+                        overlap=overlap, checkpointing=checkpointing)
     g = torch.Generator().manual_seed(engine.comm.rank)
     losses, norms = [], []
     for _ in range(STEPS):
@@ -70,9 +71,9 @@ def _compare_stages():
     out = {}
     for stage, ops in OPS.items():
         zerofunc.comm.issued_as = zerofunc.collectives.issued_as = paper if ops == "paper" else _every_stand_in
-        eager, eager_losses, eager_norms = _train(stage, False)
+        eager, eager_losses, eager_norms = trained(stage, False)
         WholeStep.reduce_in_backward = stage in REDUCED_IN_BACKWARD
-        whole, whole_losses, whole_norms = _train(stage, "whole")
+        whole, whole_losses, whole_norms = trained(stage, "whole")
         ep, wp = eager.full_parameters(), whole.full_parameters()
         rel = lambda a, b: max(abs(x - y) / abs(x) for x, y in zip(a, b))  # noqa: E731
         assert min(eager_norms) > CLIP, f"stage {stage}: a step was not clipped ({eager_norms})"
@@ -123,7 +124,7 @@ def eager_and_whole_with_the_stand_ins(stage: int):
     """`stage` eager and compiled whole, both with gloo's ops: the compiled engine, its losses' and parameters' error."""
     import zerofunc.collectives, zerofunc.comm  # noqa: E401
     zerofunc.comm.issued_as = zerofunc.collectives.issued_as = _every_stand_in
-    (eager, eager_losses, _), (whole, whole_losses, _) = _train(stage, False), _train(stage, "whole")
+    (eager, eager_losses, _), (whole, whole_losses, _) = trained(stage, False), trained(stage, "whole")
     ep, wp = eager.full_parameters(), whole.full_parameters()
     return (whole, max(abs(x - y) / abs(x) for x, y in zip(eager_losses, whole_losses)),
             max(((wp[n] - ep[n]).norm() / ep[n].norm()).item() for n in ep))

@@ -116,8 +116,7 @@ def parse(argv: list[str] | None) -> TrainArgs:
     compile = compile_mode(a.compile, config.compile, device)
     why = compile == "whole" and whole_step.refusal(
         config.offload_optimizer, config.shard_group is not None and config.stage > 0, config.hpz is not None,
-        config.precision == "fp16", config.checkpointing.on,
-        config.reduce_dtype is not None and config.reduce_dtype != config.precision)
+        config.precision == "fp16", config.reduce_dtype is not None and config.reduce_dtype != config.precision)
     if why:
         raise UsageError(why)
     lora = _lora(a, compile)

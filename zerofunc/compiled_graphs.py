@@ -47,11 +47,19 @@ class Collective:
 class GraphCollectives:
     """What one compiled graph holds, read after the collective passes: its `phase` ("forward", "backward",
     or "inference" for a graph no backward follows), its collectives in graph order, and the most bytes of
-    gathered weights alive at any of its nodes."""
+    gathered weights alive at any of its nodes; its matmuls, and (a backward graph's) the bytes of each tensor
+    its forward saved for it besides the forward's inputs themselves: the activations, which checkpointing
+    trades for the matmuls it runs again."""
 
     phase: str
     collectives: list[Collective]
     peak_gathered_bytes: int
+    matmuls: int = 0
+    saved: tuple[tuple[tuple[int, ...], int], ...] = ()  # each saved tensor's shape and bytes
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(nbytes for _, nbytes in self.saved)
 
 
 @dataclass(eq=False)
@@ -180,7 +188,12 @@ def read_collectives(graph: torch.fx.Graph) -> GraphCollectives:
             heads = [n] + [a for a in [n.kwargs.get("out")] if isinstance(a, torch.fx.Node)]
             spans.append((where[n], max(_last_alias_use(h, where) for h in heads), nbytes))
     peak = max((sum(b for lo, hi, b in spans if lo <= i <= hi) for i in range(len(nodes))), default=0)
-    return GraphCollectives(graph_phase(graph), collectives, peak)
+    phase = graph_phase(graph)
+    saved = [n.meta.get("val") for n in nodes if phase == "backward" and n.op == "placeholder"
+             and not n.name.startswith(("primals", "tangents"))]  # AOTAutograd's names for the inputs
+    return GraphCollectives(phase, collectives, peak, sum(1 for n in nodes if n.target in MATMULS),
+                            tuple((tuple(map(int, t.shape)), int(t.numel()) * t.element_size()) for t in saved
+                                  if isinstance(t, torch.Tensor)))
 
 
 def _called(n: torch.fx.Node):

@@ -41,12 +41,11 @@ from zerofunc.comm import Communicator
 from zerofunc.config import COMPILE_MODES
 from zerofunc.engine_state import WholeState
 from zerofunc.gather import UnitGathering
-from zerofunc.lm_head import LinearCrossEntropy
 from zerofunc.loss_scale import LossScaler
 from zerofunc.offload import OptimizerOffload
 from zerofunc.optim import AdamWConfig
 from zerofunc.overlap import Overlap
-from zerofunc.recompute import ActivationCheckpointing, checkpointed
+from zerofunc.recompute import ActivationCheckpointing, checkpointed, head_settings
 from zerofunc.reduction import GradientReduction
 from zerofunc.sharded_optim import ShardedAdamW
 from zerofunc.stages import Stage
@@ -163,9 +162,7 @@ class ZeroEngine(BlockHooks, WholeState):
                 forward = checkpointed(forward, lambda u=unit: u.bound is not None, lambda u=unit: self._recomputing(u),
                                        checkpointing.keeps_ops)
             self._forwards[unit.module] = forward
-        # the output head's logits, recomputed chunk by chunk
-        self._settings = [(m, "recompute", checkpointing.on) for m in model.modules()
-                          if isinstance(m, LinearCrossEntropy)]
+        self._settings = head_settings(model, checkpointing.on)
 
     # ---- forward -----------------------------------------------------------------
     def __call__(self, *args, **kwargs):

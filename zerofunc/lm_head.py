@@ -30,6 +30,7 @@ import math
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 from zerofunc.tape import overridable
 
@@ -120,9 +121,14 @@ class LinearCrossEntropy(nn.Module):
         valid = (t != IGNORE_INDEX).float()
         count = valid.sum() if num_items_in_batch is None else torch.as_tensor(
             num_items_in_batch, dtype=torch.float32, device=h.device)
-        if torch.compiler.is_compiling():  # a traced step: the compiler plans the logits' memory itself
-            z = nn.functional.linear(h, weight).float()
-            return nn.functional.cross_entropy(z, t, ignore_index=IGNORE_INDEX, reduction="sum") / count
+        if torch.compiler.is_compiling():  # a traced step: the compiler plans the logits' memory itself, and
+            # recomputes them in backward under `recompute` rather than keep their log-softmax (not chunked)
+            def summed(h, weight):
+                z = nn.functional.linear(h, weight).float()
+                return nn.functional.cross_entropy(z, t, ignore_index=IGNORE_INDEX, reduction="sum")
+            if self.recompute:
+                return checkpoint(summed, h, weight, use_reentrant=False, preserve_rng_state=False) / count
+            return summed(h, weight) / count
         rows = chunk_rows(h.shape[0], weight.shape[0], weight.shape[1])
         if not (torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)):
             with torch.no_grad():  # evaluation: the loss alone

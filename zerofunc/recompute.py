@@ -96,6 +96,13 @@ class ActivationCheckpointing:
         return {"none": "none", "full": "full", "selective-op": "ops"}.get(self.mode, f"every {self.every}")
 
 
+def head_settings(model: torch.nn.Module, on: bool) -> list:
+    """What `binding.installed` sets in `model` while a step runs: with checkpointing `on`, every
+    `LinearCrossEntropy` head recomputes its logits chunk by chunk (the module's docstring)."""
+    from zerofunc.lm_head import LinearCrossEntropy
+    return [(m, "recompute", on) for m in model.modules() if isinstance(m, LinearCrossEntropy)]
+
+
 def checkpointed(forward: Callable, in_forward: Callable[[], bool], recompute: Callable[[], contextlib.AbstractContextManager],
                  keep_ops: bool = False):
     """`forward` run under non-reentrant checkpointing; `keep_ops`: keeping the attention's and every second
@@ -108,7 +115,7 @@ def checkpointed(forward: Callable, in_forward: Callable[[], bool], recompute: C
     """
     @functools.wraps(forward)
     def wrapper(*args, **kwargs):
-        args, kwargs = _without_cache(args, kwargs)
+        args, kwargs = without_cache(args, kwargs)
         meta = any(isinstance(a, torch.Tensor) and a.device.type == "meta" for a in (*args, *kwargs.values()))
         modes = _get_current_function_mode_stack()
 
@@ -129,7 +136,7 @@ def checkpointed(forward: Callable, in_forward: Callable[[], bool], recompute: C
     return wrapper
 
 
-def _without_cache(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def without_cache(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """A checkpointed block's arguments with no key/value cache (a Hugging Face layer's, by keyword or, as
     GPT-2 passes it, by position): a cache is state the block's forward changes, appending its keys and
     values, so the block run again in backward would find them there and attend to them twice (or, under

@@ -34,8 +34,14 @@ overlap the blocks' compute within ZeRO's bounds. What the graphs then hold is r
 collectives in the communicator's ledger, tagged as the eager step tags the same bytes, so the ledger of a
 step compiled whole is the eager step's (the planner's), bucketed: tests/test_whole_step.py holds it so.
 
-Levers the eager step has and this one does not yet (offload, hpZ, hybrid sharding, fp16 loss scaling,
-activation checkpointing, an fp32 reduction of 16-bit gradients) are refused in one line.
+Activation checkpointing is one more decision where a block starts: a block the engine's
+`ActivationCheckpointing` recomputes runs under torch's non-reentrant checkpoint, its weights entering as
+they do without it, so the partitioner saves only the block's inputs (selective-op: and the outputs its
+policy keeps, zerofunc/recompute.py) and recomputes the rest in backward, as the eager step does; the output
+head recomputes its logits chunk by chunk, as there.
+
+Levers the eager step has and this one does not yet (offload, hpZ, hybrid sharding, fp16 loss scaling, an
+fp32 reduction of 16-bit gradients) are refused in one line.
 """
 from __future__ import annotations
 
@@ -53,18 +59,18 @@ from sim.ledger import LedgerEntry
 from zerofunc.binding import installed
 from zerofunc.comm_schedule import overlap
 from zerofunc.compiled_graphs import Collective, CompiledGraphs
+from zerofunc.recompute import head_settings, keep_attention_and_every_second_matmul, without_cache
 from zerofunc.state import OptimizerState
 from zerofunc.collectives import Group, ReducedGradient, gathered_into, reduced_gradient, summed
 from zerofunc.whole_weights import Unflattened, gathered_parameters, recompute_gathers, span_in
 
 
 
-def refusal(offload: bool, hybrid: bool, hpz: bool, fp16: bool, checkpointing: bool, reduce_upcast: bool) -> Optional[str]:
+def refusal(offload: bool, hybrid: bool, hpz: bool, fp16: bool, reduce_upcast: bool) -> Optional[str]:
     """Why a step with these levers on cannot be compiled whole yet, or None (the trainer's command line
     asks with the config's values before any rank starts, the engine with its own)."""
     levers = {"optimizer offload": offload, "hybrid sharding": hybrid, "hpZ": hpz, "fp16 loss scaling": fp16,
-              "activation checkpointing": checkpointing, "gradients reduced in fp32 (communication_data_type)":
-              reduce_upcast}
+              "gradients reduced in fp32 (communication_data_type)": reduce_upcast}
     named = [name for name, on in levers.items() if on]
     return f"--compile whole does not support {', '.join(named)} yet: use --compile blocks" if named else None
 
@@ -81,8 +87,7 @@ class WholeStep:
 
     def __init__(self, engine):
         why = refusal(engine.offload is not None, engine.replicas is not None, engine.gathering.secondary is not None,
-                      engine.state.loss_scale is not None, engine.checkpointing.on,
-                      engine.reduce_dtype != engine.units[0].params.dtype)
+                      engine.state.loss_scale is not None, engine.reduce_dtype != engine.units[0].params.dtype)
         if why is None and any(u.frozen is not None for u in engine.units):
             why = "--compile whole does not support frozen parameters (requires_grad=False) yet: use --compile blocks"
         if why:
@@ -127,7 +132,9 @@ class WholeStep:
         self._master_spans = [span_in(u.master, u.params) for u in engine.units]
         self._prefetched: dict[str, dict[str, torch.Tensor]] = {}
         # set in the caller's blocks while the step's forward runs (zerofunc/binding.py)
-        self._forwards = {u.module: self._block_forward(u, u.module.forward) for u in engine.gathering.blocks}
+        self._forwards = {u.module: self._block_forward(u, u.module.forward, engine.checkpointing.recomputes(i))
+                          for i, u in enumerate(engine.gathering.blocks)}
+        self._settings = head_settings(engine.model, engine.checkpointing.on)
         self._loss = compiled(self._loss_eager, "loss")
         self._reduce = compiled(self._reduce_eager, "reduce")
         self._apply = compiled(self._apply_eager, "apply")
@@ -163,10 +170,11 @@ class WholeStep:
                                           self.stage.shard_optimizer)
         return dict(zip(names, Unflattened.apply(whole, slots)))
 
-    def _block_forward(self, unit, forward):
+    def _block_forward(self, unit, forward, recomputed: bool):
         cut = len(unit.name) + 1
         blocks = self.engine.gathering.blocks
         ahead = blocks[blocks.index(unit) + 1:blocks.index(unit) + 1 + self.engine.overlap.prefetch_depth]
+        keeps_ops = self.engine.checkpointing.keeps_ops
 
         @functools.wraps(forward)
         def run(*args, **kwargs):
@@ -175,8 +183,15 @@ class WholeStep:
                 for nxt in ahead:
                     if nxt.name not in self._prefetched:
                         self._prefetched[nxt.name] = self._whole_weights(nxt)
-            with _reparametrize_module(unit.module, {k[cut:]: v for k, v in weights.items()}):
-                return forward(*args, **kwargs)
+
+            def block(*args, **kwargs):
+                with _reparametrize_module(unit.module, {k[cut:]: v for k, v in weights.items()}):
+                    return forward(*args, **kwargs)
+            if not recomputed:
+                return block(*args, **kwargs)
+            args, kwargs = without_cache(args, kwargs)
+            return checkpoint(block, *args, use_reentrant=False, **kwargs,
+                              **({"context_fn": keep_attention_and_every_second_matmul} if keeps_ops else {}))
         return run
 
     def _loss_eager(self, args: tuple, kwargs: dict, accumulated: Optional[dict]) -> torch.Tensor:
@@ -193,7 +208,7 @@ class WholeStep:
         """The model's loss on one micro-batch, through the compiled forward (also for evaluation).
         `accumulated`, at stages 0-1: the accumulation boundary's micro-batch, whose backward reduces each
         unit's gradient with these earlier micro-batches' sums (None for a unit: none before it)."""
-        with installed(self._forwards):
+        with installed(self._forwards, settings=self._settings):
             return self._loss(tuple(args), dict(kwargs), accumulated)
 
     # ---- the step ---------------------------------------------------------------------------------------

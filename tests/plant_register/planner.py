@@ -109,7 +109,7 @@ PLANTS: list[Plant] = [
           "replays only the block's own ops: backward fails on the gather's first op",
           "issue 33", ("tests/test_levers.py::test_each_lever_is_planned_as_it_trains",)),
     Plant("checkpointed_layer_keeps_its_cache", "zerofunc/recompute.py",
-          "        args, kwargs = _without_cache(args, kwargs)\n", "",
+          "        args, kwargs = without_cache(args, kwargs)\n", "",
           "a checkpointed Hugging Face layer keeps the model's key/value cache: run again in backward it finds "
           "its own keys there and attends to them twice, or (selective-op) runs ops its forward did not",
           "issue 33", ("tests/test_hf.py::test_hugging_face_models_checkpointed_train_like_one_device",)),

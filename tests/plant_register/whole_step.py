@@ -144,4 +144,18 @@ PLANTS: list[Plant] = [
           "                    pass\n",
           "bf16 training compiled whole at stages 1-2 never gathers the updated masters into the weights", "issue 31",
           ("tests/test_whole_step_bf16.py",)),
+    # -- activation checkpointing compiled whole ------------------------------------------------------------
+    Plant("whole_step_checkpointing_ignored", "zerofunc/whole_step.py",
+          "            if not recomputed:\n", "            if True:\n",
+          "--compile whole with activation checkpointing keeps every block's activations: the lever does nothing",
+          "whole-step checkpointing", ("tests/test_whole_step_checkpointing.py",)),
+    Plant("whole_step_selective_op_keeps_nothing", "zerofunc/whole_step.py",
+          '**({"context_fn": keep_attention_and_every_second_matmul} if keeps_ops else {}))', "**{})",
+          "selective-op checkpointing compiled whole recomputes its blocks whole, keeping no attention or matmul "
+          "output: it is full checkpointing under another name", "whole-step checkpointing", ("tests/test_whole_step_checkpointing.py",)),
+    Plant("compiled_head_keeps_its_logits", "zerofunc/lm_head.py",
+          "            if self.recompute:\n                return checkpoint(",
+          "            if False:\n                return checkpoint(",
+          "a compiled step with checkpointing on keeps the head's fp32 log-softmax from forward to backward, "
+          "vocabulary-wide, where the eager step recomputes it", "whole-step checkpointing", ("tests/test_whole_step_checkpointing.py",)),
 ]
