@@ -95,10 +95,10 @@ def lever_costs(model_name: str, micro_batch: int, seq: int, steps: int) -> None
             model = build_model(cfg)
         tracker = MemoryTracker()
         engine = ZeroEngine(model, STAGES[1], DistCommunicator(), AdamWConfig(), memory=tracker,
-                            init=lambda n, s: model.init_param(n, s, 0),
+                            init=lambda n, s, model=model: model.init_param(n, s, 0),
                             checkpointing=ActivationCheckpointing(ac), offload_optimizer=offload)
 
-        def step():
+        def step(engine=engine):  # bound now: the loop deletes the name at its end
             train_step(engine, [(x, y)])
         step()  # warm-up, untracked
         times, act, peak, host = [], 0, 0, 0

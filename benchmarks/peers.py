@@ -100,9 +100,11 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
-def run_rank(impl: str, model_name: str, steps: int, warmup: int, shard_group=None, probe=None) -> dict:
+def run_rank(impl: str, model_name: str, steps: int, warmup: int, shard_group=None, probe=None,
+             checkpointing: str = "none") -> dict:
     """One rank of one implementation; runs inside zerofunc.launch.spawn. `shard_group`: hybrid sharding (zerofunc,
-    FSDP2). `probe(family, engine or module, train_step, x, y)`: run on an extra step K+1, its result returned."""
+    FSDP2). `probe(family, engine or module, train_step, x, y)`: run on an extra step K+1, its result returned.
+    `checkpointing`: zerofunc's activation checkpointing mode (zerofunc.recompute), zerofunc's rows only."""
     import torch.distributed as dist
     from train.data import load_tokens, rank_batch
 
@@ -125,7 +127,8 @@ def run_rank(impl: str, model_name: str, steps: int, warmup: int, shard_group=No
         engine = zerofunc.initialize(model, {
             "train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1,
             "zero_optimization": {"stage": stage, **({"shard_group_size": shard_group} if shard_group else {})},
-            "optimizer": {"type": "AdamW", "params": {**OPT, "betas": list(OPT["betas"])}}},
+            "optimizer": {"type": "AdamW", "params": {**OPT, "betas": list(OPT["betas"])}},
+            **({"activation_checkpointing": {"mode": checkpointing}} if checkpointing != "none" else {})},
             **({"compile": "whole"} if family == "zerofunc-whole" else {}))
 
         def train_step(x, y):
@@ -135,6 +138,8 @@ def run_rank(impl: str, model_name: str, steps: int, warmup: int, shard_group=No
             engine.backward(loss)
             engine.step()
             return loss
+    elif checkpointing != "none":
+        raise ValueError(f"{impl}: activation checkpointing is set for zerofunc's rows only")
     elif family == "deepspeed":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         os.environ.setdefault("LOCAL_RANK", str(rank))
@@ -193,7 +198,7 @@ def run_rank(impl: str, model_name: str, steps: int, warmup: int, shard_group=No
 
 
 def run_impl(impl: str, model_name: str, steps: int, warmup: int, world: int = WORLD, shard_group=None,
-             probe=None) -> dict:
+             probe=None, checkpointing: str = "none") -> dict:
     """One run of one implementation in a fresh world of `world` ranks (see run_rank for the rest)."""
     from zerofunc.launch import RankError, spawn
     family, _, _ = IMPLS[impl]
@@ -203,7 +208,7 @@ def run_impl(impl: str, model_name: str, steps: int, warmup: int, world: int = W
         return {"status": "not installed"}
     t0 = time.perf_counter()
     try:
-        out = spawn(run_rank, world, impl, model_name, steps, warmup, shard_group, probe)
+        out = spawn(run_rank, world, impl, model_name, steps, warmup, shard_group, probe, checkpointing)
     except RankError as e:
         msg = str(e)
         status = ("not installed" if "ModuleNotFoundError" in msg or "ImportError" in msg

@@ -3,6 +3,7 @@ update, eager (`zerofunc-S`) or compiled whole (`zerofunc-whole-S`: its forward 
 reduce graph and the update's graph), timed with `time.perf_counter` around each call.
 
     python benchmarks/step_phases.py zerofunc-2 zerofunc-whole-2 [--model 120m] [--steps 3]
+                                     [--activation-checkpointing full]
 
 Each row is one of benchmarks/peers.py's (2 gloo ranks, one thread each, as there), run for its own steps
 and then `--steps` more, timed; milliseconds per step, mean over those, for each rank. The update is
@@ -21,6 +22,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import peers  # noqa: E402
+from zerofunc.recompute import MODES  # noqa: E402
 
 PHASES = ("forward", "backward", "reduce", "barrier", "update", "step")
 
@@ -82,16 +84,19 @@ def main(argv=None) -> int:
     ap.add_argument("impl", nargs="+", help="zerofunc-S or zerofunc-whole-S rows of benchmarks/peers.py")
     ap.add_argument("--model", default="120m", choices=sorted(peers.MODELS))
     ap.add_argument("--steps", type=int, default=3, help="steps timed, after the run's own (the first compiles)")
+    ap.add_argument("--activation-checkpointing", choices=MODES, default="none", help="every row's (zerofunc.recompute)")
     args = ap.parse_args(argv)
     bad = [i for i in args.impl if i not in peers.IMPLS or peers.IMPLS[i][0] not in ("zerofunc", "zerofunc-whole")]
     if bad:
         ap.error(f"not a zerofunc row of benchmarks/peers.py: {', '.join(bad)}")
     if args.steps < 1:
         ap.error("--steps must be at least 1")
-    print(f"model {args.model}, 2 gloo ranks, ms per step (mean of {args.steps}), rank 0 / rank 1")
+    print(f"model {args.model}, 2 gloo ranks, activation checkpointing {args.activation_checkpointing}, "
+          f"ms per step (mean of {args.steps}), rank 0 / rank 1")
     print(f"{'impl':20s}" + "".join(f"{p:>15s}" for p in PHASES))
     for impl in args.impl:
-        row = peers.run_impl(impl, args.model, 4, 2, probe=Probe(args.steps))
+        row = peers.run_impl(impl, args.model, 4, 2, probe=Probe(args.steps),
+                             checkpointing=args.activation_checkpointing)
         if row["status"] != "ok":
             print(f"{impl}: {row['status']}", file=sys.stderr)
             return 1
