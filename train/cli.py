@@ -119,7 +119,7 @@ def parse(argv: list[str] | None) -> TrainArgs:
         config.precision == "fp16", config.reduce_dtype is not None and config.reduce_dtype != config.precision)
     if why:
         raise UsageError(why)
-    lora = _lora(a, compile)
+    lora = _lora(a)
     with torch.device("meta"):
         model = build_model(model_cfg)
     if a.init_from is not None and not a.resume:
@@ -139,14 +139,12 @@ def parse(argv: list[str] | None) -> TrainArgs:
                      a.eval_batches, a.tensorboard, lora)
 
 
-def _lora(a: argparse.Namespace, compile) -> Optional[LoRA]:
+def _lora(a: argparse.Namespace) -> Optional[LoRA]:
     """--lora's adapters (their targets are matched on the model by the caller); None without --lora."""
     try:
         lora = lora_from_flags(a)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if lora is not None and compile == "whole":
-        raise UsageError("--compile whole does not support --lora yet: use --compile blocks")
     return lora
 
 

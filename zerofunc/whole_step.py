@@ -30,18 +30,19 @@ bucketing would merge every gather of the model into one (its cap is 2000 MB) an
 gathered at once; here gathers and reduce-scatters are bucketed up to the overlap bucket size, the
 comm-reordering passes stay off, and zerofunc/comm_schedule.py moves each gather and reduce-scatter to
 overlap the blocks' compute within ZeRO's bounds. What the graphs then hold is read back from them
-(`WholeStep.graphs`): tests/test_whole_step.py holds stage 3 to its block and the prefetched one. Each run of a graph writes its
-collectives in the communicator's ledger, tagged as the eager step tags the same bytes, so the ledger of a
-step compiled whole is the eager step's (the planner's), bucketed: tests/test_whole_step.py holds it so.
+(`WholeStep.graphs`): tests/test_whole_step.py holds stage 3 to its block and the prefetched one. Each run
+of a graph writes its collectives in the communicator's ledger, tagged as the eager step tags the same bytes,
+so the ledger of a step compiled whole is the eager step's (the planner's), bucketed (tests/test_whole_step.py),
+but for a frozen part no gradient needs, which eager gathers again in backward with its unit (tests/test_frozen.py).
 
-Activation checkpointing is one more decision where a block starts: a block the engine's
-`ActivationCheckpointing` recomputes runs under torch's non-reentrant checkpoint, its weights entering as
-they do without it, so the partitioner saves only the block's inputs (selective-op: and the outputs its
-policy keeps, zerofunc/recompute.py) and recomputes the rest in backward, as the eager step does; the output
-head recomputes its logits chunk by chunk, as there.
+Two more decisions where a block starts. Frozen parameters (requires_grad=False: LoRA's base) enter as values
+with no gradient, whole at stages 0-2, gathered at stage 3 under the same recompute policy, never reduced; only
+units with weights to train have a leaf and an update. A block that activation checkpointing recomputes runs
+under torch's checkpoint (selective-op with its policy, zerofunc/recompute.py): the partitioner saves its
+inputs and recomputes the rest in backward, and the output head its logits (zerofunc/lm_head.py).
 
-Levers the eager step has and this one does not yet (offload, hpZ, hybrid sharding, fp16 loss scaling, an
-fp32 reduction of 16-bit gradients) are refused in one line.
+Not yet (refused in one line): offload, hpZ, hybrid sharding, fp16 loss scaling, an fp32 reduction of 16-bit
+gradients.
 """
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ import torch
 import torch.distributed as dist
 from torch.func import functional_call
 from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint
 
 from sim.ledger import LedgerEntry
 from zerofunc.binding import installed
@@ -61,8 +62,11 @@ from zerofunc.comm_schedule import overlap
 from zerofunc.compiled_graphs import Collective, CompiledGraphs
 from zerofunc.recompute import head_settings, keep_attention_and_every_second_matmul, without_cache
 from zerofunc.state import OptimizerState
-from zerofunc.collectives import Group, ReducedGradient, gathered_into, reduced_gradient, summed
-from zerofunc.whole_weights import Unflattened, gathered_parameters, recompute_gathers, span_in
+from zerofunc.units import reduced_dtype
+from zerofunc.collectives import Group, ReducedGradient
+from zerofunc.whole_update import adamw_then_gather, reduced_and_norm
+from zerofunc.whole_weights import (Unflattened, gathered_frozen, gathered_parameters, regathered, span_in,
+                                    whole_parameters)
 
 
 
@@ -87,9 +91,8 @@ class WholeStep:
 
     def __init__(self, engine):
         why = refusal(engine.offload is not None, engine.replicas is not None, engine.gathering.secondary is not None,
-                      engine.state.loss_scale is not None, engine.reduce_dtype != engine.units[0].params.dtype)
-        if why is None and any(u.frozen is not None for u in engine.units):
-            why = "--compile whole does not support frozen parameters (requires_grad=False) yet: use --compile blocks"
+                      engine.state.loss_scale is not None,  # gradients reduced wider than their weights:
+                      any(reduced_dtype(u.params.dtype, engine.reduce_dtype) != u.params.dtype for u in engine.units))
         if why:
             raise ValueError(why)
         self.engine, self.stage = engine, engine.stage
@@ -99,6 +102,11 @@ class WholeStep:
         self.ranks = ranks = Group(group.group_name, engine.comm.rank, engine.comm.world_size)
         self.groups = {u.name: ranks.ops(u.layout.padded_numel * u.params.element_size(), engine.comm.link)
                        for u in engine.units}
+        # and each frozen part's gather (stage 3; no reduction: they have no gradient)
+        self.frozen_groups = {u.name: ranks.ops(u.frozen.layout.padded_numel * u.frozen.params.element_size(),
+                                                engine.comm.link) for u in engine.units if u.frozen is not None}
+        # the units with weights to train, as the engine's optimizer has them: a unit all frozen has no leaf
+        self.trained = [u for u in engine.units if u.numel]
         # where stages 0-1 reduce (the module's docstring): in backward on a GPU, after it on a CPU
         in_backward = self.reduce_in_backward if self.reduce_in_backward is not None else \
             engine.units[0].params.device.type == "cuda"
@@ -123,13 +131,13 @@ class WholeStep:
         # whole weights
         self.leaves = {u.name: (torch.zeros_like(u.master, dtype=u.params.dtype) if self.stage.shard_optimizer
                                 and not self.stage.shard_params and self.reduces_in_backward
-                                else u.params.detach()).requires_grad_() for u in engine.units}
+                                else u.params.detach()).requires_grad_() for u in self.trained}
         # stages 0-1 reduced in backward: the leaves the micro-batches before the boundary sum their gradients into
         self.accumulating = {} if self.stage.shard_grads or not self.reduces_in_backward else \
             {u.name: self.leaves[u.name] if not self.stage.shard_optimizer else u.params.detach().requires_grad_()
-             for u in engine.units}
+             for u in self.trained}
         self._accumulated: Optional[dict[str, Optional[torch.Tensor]]] = None  # the boundary's, while it runs
-        self._master_spans = [span_in(u.master, u.params) for u in engine.units]
+        self._master_spans = [span_in(u.master, u.params) for u in self.trained]
         self._prefetched: dict[str, dict[str, torch.Tensor]] = {}
         # set in the caller's blocks while the step's forward runs (zerofunc/binding.py)
         self._forwards = {u.module: self._block_forward(u, u.module.forward, engine.checkpointing.recomputes(i))
@@ -153,14 +161,23 @@ class WholeStep:
 
     # ---- forward and backward ------------------------------------------------------------------------
     def _whole_weights(self, unit) -> dict[str, torch.Tensor]:
-        """The unit's parameters, whole, as this stage brings them in (see the module's docstring)."""
+        """The unit's parameters, whole: the trained ones as this stage brings them in (see the module's
+        docstring), the frozen ones as values with no gradient, gathered again in backward at stage 3."""
+        views = self._trained_weights(unit) if unit.numel else {}
+        if unit.frozen is None:
+            return views
+        frozen, slots = unit.frozen, tuple((s.numel, s.shape) for s in unit.frozen.layout.slots)
+        names = (s.name for s in frozen.layout.slots)
+        if not self.stage.shard_params:
+            return views | dict(zip(names, whole_parameters(frozen.params, slots)))
+        return views | dict(zip(names, regathered(gathered_frozen, frozen.params, self.frozen_groups[unit.name], slots)))
+
+    def _trained_weights(self, unit) -> dict[str, torch.Tensor]:
         leaf, group = self.leaves[unit.name], self.groups[unit.name]
         slots = tuple((s.numel, s.shape) for s in unit.layout.slots)
         names = (s.name for s in unit.layout.slots)
         if self.stage.shard_params:
-            return dict(zip(names, checkpoint(
-                gathered_parameters, leaf, group, slots, use_reentrant=False, preserve_rng_state=False,
-                context_fn=functools.partial(create_selective_checkpoint_contexts, recompute_gathers))))
+            return dict(zip(names, regathered(gathered_parameters, leaf, group, slots)))
         if self.stage.shard_grads:
             whole = ReducedGradient.apply(leaf, unit.params, group, None, True)
         elif self._accumulated is None:  # stages 0-1 before the accumulation boundary, or reduced after backward
@@ -233,7 +250,7 @@ class WholeStep:
 
     def _update(self, state: OptimizerState) -> OptimizerState:
         opt = self.engine.optimizer
-        units = self.engine.units
+        units = self.trained
         grads = [self.leaves[u.name].grad for u in units]
         missing = [u.name or "<root>" for u, g in zip(units, grads) if g is None]
         if missing:
@@ -254,46 +271,10 @@ class WholeStep:
         return state
 
     def _reduce_eager(self, grads: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """At stages 0-1 reduced after backward, each unit's gradient summed over the ranks, this rank's shard
-        (stage 1) or whole (stage 0), else none (backward reduced them); and the global norm of the averaged
-        gradients. The sums are divided in the update, where AdamW reads them anyway: divided here, every
-        gradient would be written once more (at 120m, 170 MB a rank and step)."""
-        reduced, squares = [], []
-        for unit, g in zip(self.engine.units, grads):
-            if not self.reduces_in_backward:  # stages 0-1, here: at the boundary, after backward
-                g = reduced_gradient(g, self.groups[unit.name], self.stage.shard_optimizer)
-                reduced.append(g)
-            squares.append(torch.linalg.vector_norm(g, dtype=torch.float32).square())
-        total = torch.stack(squares).sum()
-        if self.stage.shard_optimizer:
-            total = summed(total, self.ranks)
-        return reduced, total.sqrt() / self.world
+        return reduced_and_norm(grads, self.trained, self.groups, self.ranks, self.stage,
+                                reduce_here=not self.reduces_in_backward)
 
     def _apply_eager(self, grads: list[torch.Tensor], factor: torch.Tensor, lr: torch.Tensor,
                      step: torch.Tensor) -> None:
-        """AdamW (as zerofunc.optim.adamw_, with the step a tensor) on each unit's fp32 shard; the weights
-        the forward uses then follow it."""
-        cfg = self.engine.optimizer.optim
-        beta1, beta2 = cfg.betas
-        with torch.no_grad():
-            for unit, span, g in zip(self.engine.units, self._master_spans, grads):
-                # an fp32 master is a slice of the weights: taken here, so that the graph's input is the weights
-                # alone (two aliasing inputs, one written, would be copied whole on every step)
-                master = unit.params[span[0]:span[1]] if span is not None else unit.master
-                g = g / self.world  # summed, by backward's reductions or the reduce graph's
-                g = g.float() * factor
-                unit.m.lerp_(g, 1 - beta1)
-                unit.v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                denom = (unit.v.sqrt() / torch.sqrt(1 - beta2 ** step)).add_(cfg.eps)
-                new = master * (1 - lr * cfg.weight_decay) - unit.m / denom * (lr / (1 - beta1 ** step))
-                gathering = self.stage.shard_optimizer and not self.stage.shard_params
-                # the new master as a value, written once: at stages 1-2 an fp32 master is this rank's slot of the
-                # weights, which the gather writes whole. Written in place first, it would be a slice of the
-                # weights mutated, which functionalization makes a fresh copy of the whole weights (a 30m
-                # block's 20 MB, read and written twice a step)
-                if span is None or not gathering:
-                    master.copy_(new)
-                if gathering:
-                    gathered_into(unit.params, new.to(unit.params.dtype), self.groups[unit.name])
-                elif span is None:  # 16-bit weights: the master's new rounding
-                    unit.params.copy_(master)
+        adamw_then_gather(grads, factor, lr, step, self.trained, self._master_spans, self.groups, self.stage,
+                          self.world, self.engine.optimizer.optim)

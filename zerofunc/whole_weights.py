@@ -8,7 +8,7 @@ import logging
 from typing import Optional, Sequence
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from zerofunc.collectives import Group, gathered, reduced_gradient
 
@@ -28,6 +28,13 @@ def recompute_gathers(ctx, func, *args, **kwargs):
     """Stage 3's policy over the region that gathers a unit's weights, and only that: recomputed in
     backward, never kept for it (the gather, the parameters read from it)."""
     return CheckpointPolicy.MUST_RECOMPUTE
+
+
+def regathered(gather, *args) -> tuple[torch.Tensor, ...]:
+    """`gather(*args)` (stage 3's parameters from every rank's shard) under `recompute_gathers`: backward
+    gathers them again rather than keep them from forward."""
+    return checkpoint(gather, *args, use_reentrant=False, preserve_rng_state=False,
+                      context_fn=functools.partial(create_selective_checkpoint_contexts, recompute_gathers))
 
 
 def _parameters(whole: torch.Tensor, slots: tuple) -> tuple[torch.Tensor, ...]:
@@ -92,6 +99,16 @@ class GatheredParameters(torch.autograd.Function):
 def gathered_parameters(shard: torch.Tensor, group: Group, slots: tuple) -> tuple[torch.Tensor, ...]:
     """Stage 3: a unit's parameters, from every rank's shard; their gradient reduce-scattered onto `shard`."""
     return GatheredParameters.apply(shard, gathered(shard.detach(), group), group, slots)
+
+
+def whole_parameters(whole: torch.Tensor, slots: tuple) -> tuple[torch.Tensor, ...]:
+    """Frozen parameters (no gradient): views of their whole flat buffer (stages 0-2)."""
+    return _parameters(whole.detach(), slots)
+
+
+def gathered_frozen(shard: torch.Tensor, group: Group, slots: tuple) -> tuple[torch.Tensor, ...]:
+    """Stage 3: frozen parameters, views of every rank's shard gathered; no gradient, so no reduction."""
+    return _parameters(gathered(shard.detach(), group), slots)
 
 
 def span_in(master: torch.Tensor, params: torch.Tensor) -> Optional[tuple[int, int]]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 from tests.plant_register.common import Plant
 
 PLANTS: list[Plant] = [
-    Plant("whole_step_sum_not_averaged", "zerofunc/whole_step.py",
-          "            g = g / self.world  #", "            g = g  #",
+    Plant("whole_step_sum_not_averaged", "zerofunc/whole_update.py",
+          "            g = g / world  #", "            g = g  #",
           "the compiled step's collectives sum the ranks' gradients and nothing divides the sum: every stage "
           "compiled whole trains with N times the gradient",
           "issue 31", ("tests/test_whole_step.py::test_the_whole_step_trains_like_eager_and_sends_what_it_sends",)),
@@ -132,16 +132,16 @@ PLANTS: list[Plant] = [
           "the compiled step's gathered-weights bound counts only all-gathers: on gloo, where a block is gathered "
           "by broadcasts, nothing checks that stage 3 keeps at most the prefetch depth of blocks gathered",
           "issue 31", ("tests/test_whole_step.py::test_stage_3_compiled_by_inductor_with_gloo_s_ops_trains_like_eager",)),
-    Plant("whole_16_bit_weights_not_refreshed", "zerofunc/whole_step.py",
-          "                elif span is None:  # 16-bit weights: the master's new rounding\n"
-          "                    unit.params.copy_(master)\n",
-          "                elif span is None:  # 16-bit weights: the master's new rounding\n"
-          "                    pass\n",
+    Plant("whole_16_bit_weights_not_refreshed", "zerofunc/whole_update.py",
+          "            elif span is None:  # 16-bit weights: the master's new rounding\n"
+          "                unit.params.copy_(master)\n",
+          "            elif span is None:  # 16-bit weights: the master's new rounding\n"
+          "                pass\n",
           "bf16 training compiled whole at stages 0 and 3 updates the fp32 masters and never the bf16 weights the "
           "forward uses: the model stops learning", "issue 31", ("tests/test_whole_step_bf16.py",)),
-    Plant("whole_16_bit_weights_not_gathered", "zerofunc/whole_step.py",
-          "                    gathered_into(unit.params, new.to(unit.params.dtype), self.groups[unit.name])\n",
-          "                    pass\n",
+    Plant("whole_16_bit_weights_not_gathered", "zerofunc/whole_update.py",
+          "                gathered_into(unit.params, new.to(unit.params.dtype), groups[unit.name])\n",
+          "                pass\n",
           "bf16 training compiled whole at stages 1-2 never gathers the updated masters into the weights", "issue 31",
           ("tests/test_whole_step_bf16.py",)),
     # -- activation checkpointing compiled whole ------------------------------------------------------------
@@ -158,4 +158,16 @@ PLANTS: list[Plant] = [
           "            if False:\n                return checkpoint(",
           "a compiled step with checkpointing on keeps the head's fp32 log-softmax from forward to backward, "
           "vocabulary-wide, where the eager step recomputes it", "whole-step checkpointing", ("tests/test_whole_step_checkpointing.py",)),
+    # -- frozen parameters compiled whole ----------------------------------------------------------------
+    Plant("whole_step_frozen_part_left_out", "zerofunc/whole_step.py",
+          "        if unit.frozen is None:\n            return views\n", "        if True:\n            return views\n",
+          "--compile whole leaves a unit's frozen parameters to the module's own tensors: at stage 3 they are never "
+          "gathered, and the step runs on whatever the module held", "whole-step frozen",
+          ("tests/test_frozen.py::test_frozen_parameters_compiled_whole_train_like_eager",)),
+    Plant("whole_step_frozen_kept_from_forward", "zerofunc/whole_step.py",
+          "regathered(gathered_frozen, frozen.params, self.frozen_groups[unit.name], slots)",
+          "gathered_frozen(frozen.params, self.frozen_groups[unit.name], slots)",
+          "stage 3 compiled whole keeps every block's gathered frozen weights (LoRA's base) from forward to "
+          "backward: the whole model gathered at once", "whole-step frozen",
+          ("tests/test_lora.py::test_the_trainer_trains_lora",)),
 ]
