@@ -161,8 +161,8 @@ PLANTS: list[Plant] = [
     # -- frozen parameters compiled whole ----------------------------------------------------------------
     Plant("whole_step_frozen_part_left_out", "zerofunc/whole_step.py",
           "        if unit.frozen is None:\n            return views\n", "        if True:\n            return views\n",
-          "--compile whole leaves a unit's frozen parameters to the module's own tensors: at stage 3 they are never "
-          "gathered, and the step runs on whatever the module held", "whole-step frozen",
+          "--compile whole leaves a unit's frozen parameters to the module's own tensors, which initialize left "
+          "on the meta device: the compiled step fails (at stage 3 nothing would gather them)", "whole-step frozen",
           ("tests/test_frozen.py::test_frozen_parameters_compiled_whole_train_like_eager",)),
     Plant("whole_step_frozen_kept_from_forward", "zerofunc/whole_step.py",
           "regathered(gathered_frozen, frozen.params, self.frozen_groups[unit.name], slots)",
