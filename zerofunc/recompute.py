@@ -152,6 +152,8 @@ def without_cache(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 
 def _is_hf_cache(value) -> bool:
+    if value is None or isinstance(value, (torch.Tensor, bool, int, float)):  # a block's usual arguments, told
+        return False  # apart without string methods on a type's name, which torch 2.11's dynamo cannot trace
     kind = type(value)
     return kind.__module__.startswith("transformers.") and kind.__name__.endswith("Cache")
 
