@@ -73,3 +73,22 @@ def test_compiled_blocks_train_like_eager():
             assert loss_err <= 1e-5, f"stage {stage}: losses differ by {loss_err:.1e}"
             assert param_err <= 1e-5, f"stage {stage}: parameters differ by {param_err:.1e}"
         assert graphs == 1
+
+
+@pytest.mark.parametrize("flags, lever", [
+    (["--offload-optimizer", "cpu"], "optimizer offload"),
+    (["--nproc", "4", "--shard-group", "2"], "hybrid sharding"),
+    (["--nproc", "4", "--hpz", "2"], "hpZ"),
+    (["--precision", "fp16"], "fp16 loss scaling"),
+    (["--precision", "bf16", "--reduce-dtype", "fp32"], "gradients reduced in fp32"),
+])
+def test_compile_whole_refuses_the_levers_it_lacks_in_one_line(tmp_path, capsys, flags, lever):
+    """What the step compiled whole does not carry yet (zerofunc/whole_step.py, `refusal`) is refused before
+    any rank starts, in one line naming the lever, and nothing is written; activation checkpointing and
+    LoRA it carries (tests/test_whole_step_checkpointing.py, tests/test_lora.py)."""
+    from train.cli import main
+    out = tmp_path / "out"
+    assert main(["--compile", "whole", *flags, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --compile whole does not support ") and lever in err and "\n" not in err, err
+    assert not out.exists()

@@ -170,4 +170,9 @@ PLANTS: list[Plant] = [
           "stage 3 compiled whole keeps every block's gathered frozen weights (LoRA's base) from forward to "
           "backward: the whole model gathered at once", "whole-step frozen",
           ("tests/test_lora.py::test_the_trainer_trains_lora",)),
+    Plant("whole_step_refuses_nothing", "zerofunc/whole_step.py",
+          "    named = [name for name, on in levers.items() if on]\n", "    named = []\n",
+          "--compile whole takes optimizer offload, hybrid sharding, hpZ, fp16 and an fp32 reduction of 16-bit "
+          "gradients without a word, and trains without them or fails in the ranks", "whole-step levers",
+          ("tests/test_compile.py::test_compile_whole_refuses_the_levers_it_lacks_in_one_line",)),
 ]
