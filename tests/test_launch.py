@@ -136,3 +136,18 @@ def test_a_fork_server_killed_is_named_and_its_ranks_end(tmp_path):
         assert out.strip().splitlines()[-1] == ("error: the fork server the ranks start from died (killed by "
                                                 "SIGKILL) before its first step; the ranks were stopped"), out
         assert ended_within([pid for pid, _ in ranks], 30) == []
+
+
+def test_gloo_s_timeouts_read_as_no_answer_within_the_timeout(monkeypatch):
+    """Which words gloo's timeout comes in depends on which side of a pair gives up first; each must read as
+    the run's timeout (tests/test_faults.py's hung rank, where this second form once surfaced instead of the
+    first and was reported as a bug, with its traceback). Messages as gloo raised them on this CPU."""
+    from zerofunc import launch
+    monkeypatch.setattr(launch, "_comm_timeout", 3.0)
+    monkeypatch.setattr(launch, "_step", 4)
+    for said in ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Timed out waiting 3000ms for recv "
+                 "operation to complete", "Application timeout caused pair closure"):
+        e = RuntimeError(said)
+        assert launch.is_comm_failure(e), said
+        assert launch.comm_failure_line(0, e).startswith(
+            "rank 0: no answer from the other ranks within --timeout 3 s during step 4"), said

@@ -123,9 +123,11 @@ def catch_stop_signals() -> None:
 
 
 def is_comm_failure(e: BaseException) -> bool:
-    """A collective that failed because a peer died, hung or cannot be reached."""
-    return isinstance(e, getattr(dist, "DistError", ())) or (
-        isinstance(e, RuntimeError) and bool(re.search(r"gloo|NCCL|Connection (reset|closed)|Timed out", str(e))))
+    """A collective that failed because a peer died, hung or cannot be reached. Gloo says a timeout in more
+    than one way, by which side gave up first: "Timed out waiting ... for recv", and "Application timeout
+    caused pair closure" (without "gloo" in it, seen when a rank hung)."""
+    return isinstance(e, getattr(dist, "DistError", ())) or (isinstance(e, RuntimeError) and bool(
+        re.search(r"gloo|NCCL|Connection (reset|closed)|Timed out|timeout caused pair closure", str(e))))
 
 
 def comm_failure_line(rank: int, e: BaseException) -> str:

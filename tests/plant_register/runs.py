@@ -149,4 +149,9 @@ PLANTS: list[Plant] = [
           "server = server_death() if proc.exitcode == 255 else None", "server = None",
           "a dead fork server is reported as rank 0 dying with exit code 255, the running ranks as stopped",
           "launcher faults", ("tests/test_launch.py::test_a_fork_server_killed_is_named_and_its_ranks_end",)),
+    Plant("gloo_pair_closure_read_as_a_bug", "zerofunc/launch.py",
+          "|Timed out|timeout caused pair closure\", str(e))))", "|Timed out\", str(e))))",
+          "a hung rank whose peer's gloo reports \"Application timeout caused pair closure\" is reported as a bug "
+          "with a traceback, not as no answer within --timeout", "launcher faults",
+          ("tests/test_launch.py::test_gloo_s_timeouts_read_as_no_answer_within_the_timeout",)),
 ]
