@@ -44,6 +44,18 @@ def trained(stage: int, compile, overlap: Overlap = Overlap(), checkpointing=Act
     return engine, losses, norms
 
 
+def apart(eager, whole) -> float:
+    """The largest relative error between two runs' losses or norms (sequences), or parameters (by name)."""
+    if isinstance(eager, dict):
+        return max(((whole[n] - eager[n]).norm() / eager[n].norm()).item() for n in eager)
+    return max(abs(x - y) / abs(x) for x, y in zip(eager, whole))
+
+
+def sent(engine) -> Counter:
+    """What `engine`'s ledger holds: each collective's op, dtype, bytes and tag, counted."""
+    return Counter((x.op, x.dtype, x.nbytes, x.tag) for x in engine.comm.ledger)
+
+
 def _every_stand_in(op: str, nbytes: int, n: int, link) -> str:
     """The ops both steps issue in the stand-ins' case: a small gather (the root unit's) as an all-reduce, a
     block's as one broadcast per rank, every reduce-scatter as an all-reduce (sim.cost.issued_as picks by a
@@ -74,17 +86,13 @@ def _compare_stages():
         eager, eager_losses, eager_norms = trained(stage, False)
         WholeStep.reduce_in_backward = stage in REDUCED_IN_BACKWARD
         whole, whole_losses, whole_norms = trained(stage, "whole")
-        ep, wp = eager.full_parameters(), whole.full_parameters()
-        rel = lambda a, b: max(abs(x - y) / abs(x) for x, y in zip(a, b))  # noqa: E731
         assert min(eager_norms) > CLIP, f"stage {stage}: a step was not clipped ({eager_norms})"
-        sent = lambda e: Counter((x.op, x.dtype, x.nbytes, x.tag) for x in e.comm.ledger)  # noqa: E731
         # the matmuls each gradient reduction of a backward graph is in flight over (the accumulation
         # boundary's, at stages 0-1)
         in_flight = [[c.overlapped for c in g.collectives if not (c.scalar or c.gathers)] for g in whole.whole.graphs["loss"].graphs
                      if g.phase == "backward" and g.collectives]
-        out[stage] = (rel(eager_losses, whole_losses), rel(eager_norms, whole_norms),
-                      max(((wp[n] - ep[n]).norm() / ep[n].norm()).item() for n in ep), sent(eager), sent(whole),
-                      in_flight)
+        out[stage] = (apart(eager_losses, whole_losses), apart(eager_norms, whole_norms),
+                      apart(eager.full_parameters(), whole.full_parameters()), sent(eager), sent(whole), in_flight)
     return out
 
 
@@ -125,9 +133,7 @@ def eager_and_whole_with_the_stand_ins(stage: int):
     import zerofunc.collectives, zerofunc.comm  # noqa: E401
     zerofunc.comm.issued_as = zerofunc.collectives.issued_as = _every_stand_in
     (eager, eager_losses, _), (whole, whole_losses, _) = trained(stage, False), trained(stage, "whole")
-    ep, wp = eager.full_parameters(), whole.full_parameters()
-    return (whole, max(abs(x - y) / abs(x) for x, y in zip(eager_losses, whole_losses)),
-            max(((wp[n] - ep[n]).norm() / ep[n].norm()).item() for n in ep))
+    return whole, apart(eager_losses, whole_losses), apart(eager.full_parameters(), whole.full_parameters())
 
 
 def _stage_3_under_inductor_with_the_stand_ins():
@@ -182,8 +188,7 @@ def _hugging_face_gpt2(stage: int):
             sum(1 for gr in engine.whole.graphs["loss"].graphs if gr.phase == "forward")
         out.append((losses, engine.full_parameters(), forwards))
     (eager_losses, ep, _), (whole_losses, wp, forwards) = out
-    return (max(abs(x - y) / abs(x) for x, y in zip(eager_losses, whole_losses)),
-            max(((wp[n] - ep[n]).norm() / ep[n].norm()).item() for n in ep), forwards)
+    return apart(eager_losses, whole_losses), apart(ep, wp), forwards
 
 
 def test_a_hugging_face_gpt2_compiled_whole_trains_like_eager_at_stage_2():

@@ -17,8 +17,6 @@ Two properties, at stage 0 (the weights whole) and stage 3 (gathered, and gather
 """
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 
 from tests.bare import in_world
@@ -29,7 +27,7 @@ MODES = {"none": ActivationCheckpointing(), "selective": ActivationCheckpointing
 
 
 def _per_mode(stage: int):
-    from tests.test_whole_step import CFG, trained
+    from tests.test_whole_step import CFG, apart, sent, trained
     from zerofunc.whole_step import WholeStep
     WholeStep.backend = "aot_eager"
     out = {}
@@ -43,11 +41,8 @@ def _per_mode(stage: int):
                                                    + 2 * whole.units[1].layout.padded_numel)}
         if name != "none":  # the step without checkpointing: tests/test_whole_step.py's
             eager, eager_losses, eager_norms = trained(stage, False, checkpointing=checkpointing)
-            ep, wp = eager.full_parameters(), whole.full_parameters()
-            rel = lambda a, b: max(abs(x - y) / abs(x) for x, y in zip(a, b))  # noqa: E731
-            sent = lambda e: Counter((x.op, x.dtype, x.nbytes, x.tag) for x in e.comm.ledger)  # noqa: E731
-            row.update(losses=rel(eager_losses, whole_losses), norms=rel(eager_norms, whole_norms),
-                       params=max(((wp[n] - ep[n]).norm() / ep[n].norm()).item() for n in ep),
+            row.update(losses=apart(eager_losses, whole_losses), norms=apart(eager_norms, whole_norms),
+                       params=apart(eager.full_parameters(), whole.full_parameters()),
                        same_ledger=sent(eager) == sent(whole))
         out[stage, name] = row
     return out
