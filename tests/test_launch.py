@@ -135,6 +135,8 @@ def test_a_fork_server_killed_is_named_and_its_ranks_end(tmp_path):
         out = launcher.communicate(timeout=60)[0]
         assert out.strip().splitlines()[-1] == ("error: the fork server the ranks start from died (killed by "
                                                 "SIGKILL) before its first step; the ranks were stopped"), out
+        # stopped by their launcher, which is alive: none may think it gone (the pipe's one byte for both)
+        assert "its launcher is gone" not in out, out
         assert ended_within([pid for pid, _ in ranks], 30) == []
 
 

@@ -105,9 +105,10 @@ class Lifeline:
     def __reduce__(self):
         return _watched, (reduction.DupFd(self._read),)
 
-    def cut(self) -> None:
-        """Any rank still running exits, quietly."""
-        os.write(self._write, b"x")
+    def cut(self, ranks: int) -> None:
+        """Any of the `ranks` still running exits, quietly: a byte said for each, as they share the pipe (one
+        byte for all, the first rank to read it would take it, and the others read the end of file)."""
+        os.write(self._write, b"x" * ranks)
         for fd in (self._read, self._write):
             os.close(fd)
 

@@ -280,7 +280,7 @@ def spawn(fn: Callable[..., Any], nproc: int, *args, backend: str = "gloo", time
             p.join(timeout=30 if len(out) == nproc else 1)
             if p.is_alive():
                 p.kill()
-        lifeline.cut()  # a rank this process cannot see (its fork server died) exits
+        lifeline.cut(nproc)  # a rank this process cannot see (its fork server died) exits
         del store  # stop serving the rendezvous: every rank has ended
         for s, handler in saved.items():
             signal.signal(s, handler)

@@ -154,4 +154,9 @@ PLANTS: list[Plant] = [
           "a hung rank whose peer's gloo reports \"Application timeout caused pair closure\" is reported as a bug "
           "with a traceback, not as no answer within --timeout", "launcher faults",
           ("tests/test_launch.py::test_gloo_s_timeouts_read_as_no_answer_within_the_timeout",)),
+    Plant("lifeline_cut_says_one_byte_for_all", "zerofunc/fork_server.py",
+          'os.write(self._write, b"x" * ranks)', 'os.write(self._write, b"x")',
+          "the launcher's pipe says its one byte to whichever rank reads first: the other ranks read the end of "
+          "file and print that their launcher is gone, while it is reporting their fault", "launcher faults",
+          ("tests/test_launch.py::test_a_fork_server_killed_is_named_and_its_ranks_end",)),
 ]
