@@ -37,3 +37,44 @@ def test_stage_2_s_update_compiled_by_inductor_gathers_into_the_weights():
         assert param_err <= 1e-5, f"parameters differ by {param_err:.1e}"
         assert gathers > 0, "no unit's update was gathered by broadcasts: the case this test is for is gone"
         assert into_weights == gathers, f"{gathers - into_weights} of {gathers} gathers wrote a buffer, not the weights"
+
+
+def _stages_0_and_1_reduce_graphs_under_inductor():
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    import zerofunc.collectives
+    import zerofunc.comm
+    from tests.test_whole_step import _every_stand_in, apart, trained
+    from zerofunc.whole_step import WholeStep
+    zerofunc.comm.issued_as = zerofunc.collectives.issued_as = _every_stand_in  # stage 1 scatters by all-reduce
+    WholeStep.backend = "inductor"
+    out = []
+    for stage in (0, 1):
+        eager, eager_losses, _ = trained(stage, False)
+        (whole, whole_losses, _), code = run_and_get_code(trained, stage, "whole")
+        # the reduce graph: the one that takes the gradients' norm; each all-reduce issued on what it reduces
+        reduce = [c for c in code if "vector_norm" in c]
+        reduced_on = [m.group(1) for c in reduce
+                      for m in re.finditer(r"_c10d_functional\.all_reduce_\.default\((\w+)", c)]
+        out.append((stage, apart(eager_losses, whole_losses), apart(eager.full_parameters(), whole.full_parameters()),
+                    len(reduce), len(whole.whole.trained), sum(1 for b in reduced_on if re.fullmatch(r"arg\d+_\d+", b))))
+    return out
+
+
+@pytest.mark.slow
+def test_stages_0_and_1_reduce_each_gradient_where_it_lies():
+    """Stages 0-1 on a CPU reduce after backward, in the reduce graph, whose inputs are the gradients. Funcol's
+    all-reduce copies its input first; each gradient is instead written with its sum (collectives.reduced_into),
+    which inductor issues as c10d's in-place all-reduce on the graph's input: one copy of every gradient less a
+    step (30m: 120 MB written, and a transient buffer of that size), as the eager step reduces in place. On 2
+    gloo ranks, 3 steps with stage 1's reduce-scatter as an all-reduce (gloo's stand-in): trains like eager
+    within tests/test_whole_step.py's derived 1e-5, and the reduce graph's code all-reduces each unit's
+    gradient on an input buffer (`argN_1`), not on a copy (`bufN`) (tests/plants.py:
+    whole_step_reduces_a_copy_of_each_gradient)."""
+    for stage, loss_err, param_err, graphs, units, in_place in in_world(2, _stages_0_and_1_reduce_graphs_under_inductor)[0]:
+        assert loss_err <= 1e-5, f"stage {stage}: losses differ by {loss_err:.1e}"
+        assert param_err <= 1e-5, f"stage {stage}: parameters differ by {param_err:.1e}"
+        assert graphs == 1, f"stage {stage}: {graphs} graphs take a norm, where the reduce graph is one"
+        assert in_place == units, f"stage {stage}: {units - in_place} of {units} gradients reduced on a copy"

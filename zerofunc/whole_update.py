@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from zerofunc.collectives import Group, gathered_into, reduced_gradient, summed
+from zerofunc.collectives import Group, gathered_into, reduced_into, summed
 
 
 def reduced_and_norm(grads: list[torch.Tensor], units: list, groups: dict[str, Group], ranks: Group, stage,
@@ -20,7 +20,7 @@ def reduced_and_norm(grads: list[torch.Tensor], units: list, groups: dict[str, G
     reduced, squares = [], []
     for unit, g in zip(units, grads):
         if reduce_here:
-            g = reduced_gradient(g, groups[unit.name], stage.shard_optimizer)
+            g = reduced_into(g, groups[unit.name], stage.shard_optimizer)  # each gradient a graph input
             reduced.append(g)
         squares.append(torch.linalg.vector_norm(g, dtype=torch.float32).square())
     total = torch.stack(squares).sum()

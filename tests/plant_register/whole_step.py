@@ -111,6 +111,11 @@ PLANTS: list[Plant] = [
           "stages 1-2's compiled update gathers each unit's new weights into a fresh buffer and copies it over the "
           "weights: every gathered byte written twice more than the eager step writes it, and a fresh buffer's pages",
           "issue 31", ("tests/test_whole_step_update.py",)),
+    Plant("whole_step_reduces_a_copy_of_each_gradient", "zerofunc/collectives.py",
+          "    grad.copy_(summed(grad, group))\n", "    return reduced_gradient(grad, group, scatter)\n",
+          "stages 0-1's reduce graph all-reduces each gradient through funcol's out-of-place op: inductor copies "
+          "every gradient into a fresh buffer first, which the eager step does not (30m: 120 MB a step)",
+          "issue 31", ("tests/test_whole_step_update.py::test_stages_0_and_1_reduce_each_gradient_where_it_lies",)),
     Plant("comm_schedule_writes_back_before_the_wait", "zerofunc/comm_schedule.py",
           "            done = max(completion, key=where.__getitem__)\n", "            done = c\n",
           "the overlap pass writes a gather's result back into the weights right after the node it copies: a gather "
