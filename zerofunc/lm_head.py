@@ -121,15 +121,17 @@ class LinearCrossEntropy(nn.Module):
         valid = (t != IGNORE_INDEX).float()
         count = valid.sum() if num_items_in_batch is None else torch.as_tensor(
             num_items_in_batch, dtype=torch.float32, device=h.device)
-        if torch.compiler.is_compiling():  # a traced step: the compiler plans the logits' memory itself, and
-            # recomputes them in backward under `recompute` rather than keep their log-softmax (not chunked)
-            def summed(h, weight):
+        rows = chunk_rows(h.shape[0], weight.shape[0], weight.shape[1])
+        if torch.compiler.is_compiling():  # a traced step: the same chunks as plain ops, the compiler deriving
+            # their backward (it cannot trace the Function's kept list); under `recompute` each chunk's logits
+            # are computed again in backward, else the partitioner keeps what each chunk's backward needs
+            def summed(h, weight, t):
                 z = nn.functional.linear(h, weight).float()
                 return nn.functional.cross_entropy(z, t, ignore_index=IGNORE_INDEX, reduction="sum")
-            if self.recompute:
-                return checkpoint(summed, h, weight, use_reentrant=False, preserve_rng_state=False) / count
-            return summed(h, weight) / count
-        rows = chunk_rows(h.shape[0], weight.shape[0], weight.shape[1])
+            parts = [checkpoint(summed, *chunk, use_reentrant=False, preserve_rng_state=False) if self.recompute
+                     else summed(*chunk)
+                     for chunk in ((h[s:s + rows], weight, t[s:s + rows]) for s in range(0, h.shape[0], rows))]
+            return torch.stack(parts).sum() / count
         if not (torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)):
             with torch.no_grad():  # evaluation: the loss alone
                 return _forward_chunks(h, weight, t, valid, rows, keep=False)[0] / count

@@ -159,10 +159,16 @@ PLANTS: list[Plant] = [
           "selective-op checkpointing compiled whole recomputes its blocks whole, keeping no attention or matmul "
           "output: it is full checkpointing under another name", "whole-step checkpointing", ("tests/test_whole_step_checkpointing.py",)),
     Plant("compiled_head_keeps_its_logits", "zerofunc/lm_head.py",
-          "            if self.recompute:\n                return checkpoint(",
-          "            if False:\n                return checkpoint(",
+          "use_reentrant=False, preserve_rng_state=False) if self.recompute\n",
+          "use_reentrant=False, preserve_rng_state=False) if False\n",
           "a compiled step with checkpointing on keeps the head's fp32 log-softmax from forward to backward, "
           "vocabulary-wide, where the eager step recomputes it", "whole-step checkpointing", ("tests/test_whole_step_checkpointing.py",)),
+    Plant("compiled_head_takes_the_logits_whole", "zerofunc/lm_head.py",
+          "((h[s:s + rows], weight, t[s:s + rows]) for s in range(0, h.shape[0], rows))",
+          "((h, weight, t) for s in range(1))",
+          "the traced step's head computes every token's logits at once: a vocabulary-wide buffer of the whole "
+          "micro-batch (Llama-3-8B at 8,192 tokens: 4.2 GB of fp32), where the eager head and the plan take one "
+          "chunk at a time", "issue 31", ("tests/test_whole_step_head.py",)),
     # -- frozen parameters compiled whole ----------------------------------------------------------------
     Plant("whole_step_frozen_part_left_out", "zerofunc/whole_step.py",
           "        if unit.frozen is None:\n            return views\n", "        if True:\n            return views\n",
