@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from zerofunc.fork_server import LaunchersOutput, Lifeline, server_death, start_method
+from zerofunc.host_memory import keep_freed_memory
 
 REPEAT_S = 1.0  # a signal this long after the first is a second request: stop at once
 DEFAULT_COMM_TIMEOUT_S = 300.0
@@ -68,6 +69,7 @@ def init_torchrun(backend: str, comm_timeout: float = DEFAULT_COMM_TIMEOUT_S) ->
     global _comm_timeout
     _comm_timeout = comm_timeout
     catch_stop_signals()
+    keep_freed_memory()
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=comm_timeout))
 
@@ -174,6 +176,7 @@ def _rank_main(rank: int, nproc: int, store_addr: tuple[str, int], backend: str,
     global _progress, _comm_timeout
     _progress, _comm_timeout = progress, comm_timeout
     catch_stop_signals()
+    keep_freed_memory()  # a step's buffers, freed, kept for the next step (zerofunc/host_memory.py)
     code = 0
     try:
         # the launcher's environment as it is now: a fork server keeps the one it started with (cwd and

@@ -159,4 +159,9 @@ PLANTS: list[Plant] = [
           "the launcher's pipe says its one byte to whichever rank reads first: the other ranks read the end of "
           "file and print that their launcher is gone, while it is reporting their fault", "launcher faults",
           ("tests/test_launch.py::test_a_fork_server_killed_is_named_and_its_ranks_end",)),
+    Plant("ranks_give_freed_memory_back", "zerofunc/launch.py",
+          "    keep_freed_memory()  # a step's buffers", "    (lambda: None)()  # a step's buffers",
+          "a rank leaves glibc's malloc to give freed memory back to the kernel: every step faults its gradients "
+          "in again, page by page (30m stage 0 compiled whole: 23,000-29,000 faults, about 45 ms a step)",
+          "launcher", ("tests/test_launch.py::test_a_rank_keeps_the_memory_its_step_frees",)),
 ]
