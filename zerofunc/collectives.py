@@ -143,9 +143,10 @@ def reduced_into(grad: torch.Tensor, group: Group, scatter: bool) -> torch.Tenso
     """`reduced_gradient` of a graph's input `grad`, the sum written into `grad` itself where it is whole (stage
     0, and stage 1's all-reduce): funcol's all-reduce copies its input first, and a graph input written with
     the result is the one case inductor issues it in place (its reinplacing, torch 2.13), so each gradient is
-    reduced where it lies, as the eager step reduces it (2 gloo ranks, 30.5M fp32 in 7 gradients, with their
-    norm: 115 ms a call against 137 with the copies). `grad` holds the sum afterwards; at stage 1 only this
-    rank's slot of it is returned."""
+    reduced where it lies, as the eager step reduces it: one gradient-sized buffer less at the step's peak
+    (2 gloo ranks, 30.5M fp32 in 7 gradients, with their norm: 115 ms a call against 137 with the copies;
+    the step's time did not move, docs/BENCHMARKS.md). `grad` holds the sum afterwards; at stage 1 only
+    this rank's slot of it is returned."""
     if scatter and group.scatter_op != "all_reduce":
         return scattered_gradient(grad, group)
     grad.copy_(summed(grad, group))
