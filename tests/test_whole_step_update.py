@@ -44,22 +44,18 @@ def _stages_0_and_1_reduce_graphs_under_inductor():
 
     from torch._inductor.utils import run_and_get_code
 
-    import zerofunc.collectives
-    import zerofunc.comm
-    from tests.test_whole_step import _every_stand_in, apart, trained
+    from tests.test_whole_step import eager_and_whole_with_the_stand_ins  # stage 1 scatters by all-reduce
     from zerofunc.whole_step import WholeStep
-    zerofunc.comm.issued_as = zerofunc.collectives.issued_as = _every_stand_in  # stage 1 scatters by all-reduce
     WholeStep.backend = "inductor"
     out = []
     for stage in (0, 1):
-        eager, eager_losses, _ = trained(stage, False)
-        (whole, whole_losses, _), code = run_and_get_code(trained, stage, "whole")
+        (whole, loss_err, param_err), code = run_and_get_code(eager_and_whole_with_the_stand_ins, stage)
         # the reduce graph: the one that takes the gradients' norm; each all-reduce issued on what it reduces
         reduce = [c for c in code if "vector_norm" in c]
         reduced_on = [m.group(1) for c in reduce
                       for m in re.finditer(r"_c10d_functional\.all_reduce_\.default\((\w+)", c)]
-        out.append((stage, apart(eager_losses, whole_losses), apart(eager.full_parameters(), whole.full_parameters()),
-                    len(reduce), len(whole.whole.trained), sum(1 for b in reduced_on if re.fullmatch(r"arg\d+_\d+", b))))
+        out.append((stage, loss_err, param_err, len(reduce), len(whole.whole.trained),
+                    sum(1 for b in reduced_on if re.fullmatch(r"arg\d+_\d+", b))))
     return out
 
 

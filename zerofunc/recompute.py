@@ -98,8 +98,8 @@ class ActivationCheckpointing:
 
 def head_settings(model: torch.nn.Module, on: bool) -> list:
     """What `binding.installed` sets in `model` while a step runs: with checkpointing `on`, every
-    `LinearCrossEntropy` head recomputes its logits in backward (chunk by chunk eager, whole in a compiled
-    step: zerofunc/lm_head.py)."""
+    `LinearCrossEntropy` head recomputes its logits in backward, chunk by chunk, eager or in a compiled step
+    (zerofunc/lm_head.py)."""
     from zerofunc.lm_head import LinearCrossEntropy
     return [(m, "recompute", on) for m in model.modules() if isinstance(m, LinearCrossEntropy)]
 
