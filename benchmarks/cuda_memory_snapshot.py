@@ -1,6 +1,7 @@
 """What the CUDA allocator holds at a check cell's peak, by where it was allocated.
 
-    python benchmarks/cuda_memory_snapshot.py --model gpt2-small --stage 3 --world-size 64 [--compile] [--pickle F]
+    python benchmarks/cuda_memory_snapshot.py --model gpt2-small --stage 3 --world-size 64 [--compile blocks|whole]
+        [--micro-batch 4 --seq 1024] [--pickle F]
 
 Runs one cell of `python -m zerofunc.check` (the trainer's step, rank 0 of a simulated
 world) in a fresh process under `torch.cuda.memory._record_memory_history`, then replays
@@ -13,10 +14,17 @@ ops holding memory only while they run (the allocator's peak during the op above
 allocated before and after it), and the op during which the step peaked: what
 sim/kernel_memory.py models, or should. `--pickle F` keeps the snapshot for
 pytorch.org/memory_viz.
+
+`--compile whole`: the step compiled whole, whose buffers inductor's generated code allocates: a
+block's innermost frame is then a line of that code, printed with its text (the buffer's name, shape
+and dtype). The planned peak is still the eager step's (the planner does not plan the compiled step's
+memory), so the gap between the two is what compiling whole costs or saves; the op probe is skipped
+(a dispatch mode sees a compiled graph's calls, not its kernels).
 """
 from __future__ import annotations
 
 import argparse
+import linecache
 import pickle
 import sys
 from collections import defaultdict
@@ -35,16 +43,16 @@ from zerofunc.plan import Plan  # noqa: E402
 MiB = 2**20
 
 
-def live_at_peak(trace: list[dict]) -> tuple[int, list[dict]]:
-    """The largest total of allocated blocks over the trace, and the blocks live then (two passes:
-    find when, then replay to that moment)."""
+def live_at_peak(trace: list[dict], start: int = 0) -> tuple[int, list[dict]]:
+    """The largest total of allocated blocks over the trace from entry `start` on (what was allocated before
+    it counted as live), and the blocks live then (two passes: find when, then replay to that moment)."""
     def replay(stop: int | None):
         live, total, best, at = {}, 0, 0, -1
         for i, e in enumerate(trace[:stop]):
             if e["action"] == "alloc":
                 live[e["addr"]] = e
                 total += e["size"]
-                if total > best:
+                if total > best and i >= start:
                     best, at = total, i
             elif e["action"] == "free_completed" and e["addr"] in live:
                 total -= live.pop(e["addr"])["size"]
@@ -52,6 +60,21 @@ def live_at_peak(trace: list[dict]) -> tuple[int, list[dict]]:
 
     best, at, _ = replay(None)
     return best, list(replay(at + 1)[2].values())
+
+
+def trace_length() -> int:
+    return len(torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()])
+
+
+def measured_step_starts(marks: list[int]):
+    """A stand-in for the cell's train_step that notes where in the allocator's trace each step begins: the
+    first step compiles (its autotuning and warm-up allocate what no later step does), the second is measured."""
+    step = cells.train_step
+
+    def marked(engine, batch):
+        marks.append(trace_length())
+        return step(engine, batch)
+    return step, marked
 
 
 class OpTransients(TorchDispatchMode):
@@ -78,7 +101,7 @@ class OpTransients(TorchDispatchMode):
         return out
 
 
-def op_transients(plan: Plan, compile: bool) -> OpTransients:
+def op_transients(plan: Plan, compile: bool | str) -> OpTransients:
     """Run the cell once more with every op of its second (first measured) step under OpTransients."""
     probe, calls, step = OpTransients(), [0], cells.train_step
 
@@ -101,7 +124,9 @@ def where(frames: list[dict], ours: bool) -> str:
     for f in frames:
         name = f["filename"]
         if not ours or "/zerofunc/" in name or "/sim/" in name:
-            return f"{Path(name).parent.name}/{Path(name).name}:{f['line']} {f['name']}"
+            # inductor's generated code (a file under its cache): the line itself names the buffer
+            text = linecache.getline(name, f["line"]).strip()[:100] if not ours and "torchinductor" in name else ""
+            return f"{Path(name).parent.name}/{Path(name).name}:{f['line']} {f['name']}" + (f"  {text}" if text else "")
     return "(no project frame)" if ours else "(no frame)"
 
 
@@ -111,26 +136,39 @@ def main() -> int:
     p.add_argument("--stage", type=int, default=0)
     p.add_argument("--world-size", type=int, default=1)
     p.add_argument("--precision", default="bf16")
-    p.add_argument("--compile", action="store_true")
+    p.add_argument("--compile", choices=("no", "blocks", "whole"), default="no",
+                   help="eager (no), each block compiled, or the step compiled whole")
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--pickle", type=Path)
     a = p.parse_args()
     if not torch.cuda.is_available():
         print("error: this measures a CUDA GPU, and none is available", file=sys.stderr)
         return 2
-    plan = Plan(world_size=a.world_size, stage=a.stage, model=a.model, precision=a.precision, micro_batch=4, seq=1024,
-                hardware=profile_for_device(torch.cuda.get_device_name()).name)
+    compile = {"no": False, "blocks": True, "whole": "whole"}[a.compile]
+    plan = Plan(world_size=a.world_size, stage=a.stage, model=a.model, precision=a.precision,
+                micro_batch=a.micro_batch, seq=a.seq, hardware=profile_for_device(torch.cuda.get_device_name()).name)
     torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
-    cell = run_cell(plan, torch.device("cuda"), compile=a.compile, steps=1)
+    marks: list[int] = []
+    step, cells.train_step = measured_step_starts(marks)
+    try:
+        cell = run_cell(plan, torch.device("cuda"), compile=compile, steps=1)
+    finally:
+        cells.train_step = step
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     if a.pickle:
         a.pickle.write_bytes(pickle.dumps(snap))
     trace = snap["device_traces"][torch.cuda.current_device()]
-    peak, blocks = live_at_peak(trace)
-    print(f"{a.model} stage {a.stage} x {a.world_size} {'compiled' if a.compile else 'eager'}: planned "
+    if len(trace) >= 1_000_000:
+        print("error: the allocator's trace filled its 1,000,000 entries: the step's peak may be cut off", file=sys.stderr)
+        return 1
+    peak, blocks = live_at_peak(trace, start=marks[1])  # the measured step's, not the compiling first one's
+    print(f"{a.model} stage {a.stage} x {a.world_size}, {a.micro_batch} x {a.seq} tokens, "
+          f"{ {'no': 'eager', 'blocks': 'blocks compiled', 'whole': 'compiled whole'}[a.compile]}: planned "
           f"{cell.planned_peak / MiB:.2f} MiB, measured {cell.measured_peak / MiB:.2f}, tracked "
           f"{cell.tracked_peak / MiB:.2f}, requested {cell.requested_peak / MiB:.2f}; trace peak {peak / MiB:.2f} MiB "
-          f"in {len(blocks)} blocks ({len(trace)} trace entries)")
+          f"in {len(blocks)} blocks, in the measured step ({len(trace)} trace entries, the step's from {marks[1]})")
     for ours in (True, False):
         groups = defaultdict(lambda: [0, 0])
         for b in blocks:
@@ -142,7 +180,9 @@ def main() -> int:
             print(f"{size / MiB:10.2f} {n:6d}  {name}")
     odd = [b["size"] for b in blocks if b["size"] % (2 * MiB) and b["size"] > MiB]
     print(f"\nblocks over 1 MiB: {sum(b['size'] > MiB for b in blocks)}; not a multiple of 2 MiB: {len(odd)}")
-    probe = op_transients(plan, a.compile)
+    if compile == "whole":
+        return 0
+    probe = op_transients(plan, compile)
     print(f"\nthe step's peak under the probe: {probe.peak / MiB:.2f} MiB, during {probe.peak_op} "
           f"(which held {probe.peak_transient / MiB:.2f} MiB only while it ran)")
     print("ops holding memory only while they run: calls, largest MiB")

@@ -1,0 +1,91 @@
+"""The step's memory on a CPU, eager beside compiled whole: the most bytes allocated at once during one step,
+above what was allocated when it began, from the profiler's allocation events (the CPU allocator's running
+total). It counts every buffer inductor's generated code allocates; the memory tracker (zerofunc.check's CPU
+measure) sees tensors through dispatch, so not a compiled graph's buffers.
+
+    python benchmarks/step_memory_cpu.py --model gpt2-small --stages 0 3 --precision bf16 --micro-batch 8 --seq 128 --gpu-layout
+
+One rank (a gloo group of one), the third step measured (the first compiles). `--gpu-layout`: stages 0-1 reduce
+each gradient in backward, as the step compiled whole does on a GPU (`WholeStep.reduce_in_backward`), not after
+it as on a CPU; the graphs are then the GPU's as traced, lowered by inductor's CPU backend.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from zerofunc.launch import spawn  # noqa: E402
+
+GiB = 2**30
+
+
+def allocated_peak(prof) -> int:
+    """The most bytes allocated at once while `prof` recorded, above what was allocated when it began."""
+    from torch._C._profiler import _EventType
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        if e.tag == _EventType.Allocation:
+            events.append((e.start_time_ns, e.extra_fields.alloc_size, e.extra_fields.total_allocated))
+        stack.extend(e.children)
+    events.sort()
+    start = events[0][2] - events[0][1]  # the running total before the first event
+    return max(total for _, _, total in events) - start
+
+
+def measure(model_name: str, stage: int, compile, precision: str, micro_batch: int, seq: int,
+            gpu_layout: bool) -> tuple[int, float]:
+    from zerofunc.comm import DistCommunicator
+    from zerofunc.engine import ZeroEngine
+    from zerofunc.models import GPT
+    from zerofunc.models.gpt2 import MODELS
+    from zerofunc.optim import AdamWConfig
+    from zerofunc.stages import STAGES
+    from zerofunc.step import train_step
+    from zerofunc.whole_step import WholeStep
+    WholeStep.reduce_in_backward = True if gpu_layout else None
+    torch.set_num_threads(2)
+    cfg = MODELS[model_name]
+    with torch.device("meta"):
+        model = GPT(cfg)
+    engine = ZeroEngine(model, STAGES[stage], DistCommunicator(link=None), AdamWConfig(),
+                        init=lambda n, s: model.init_param(n, s, 0), compile=compile, precision=precision)
+    g = torch.Generator().manual_seed(0)
+    batch = lambda: [[torch.randint(0, cfg.vocab_size, (micro_batch, seq), generator=g) for _ in range(2)]]  # noqa: E731
+    for _ in range(2):
+        train_step(engine, batch())
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        loss = train_step(engine, batch())
+    return allocated_peak(prof), loss.item()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="gpt2-small")
+    p.add_argument("--stages", type=int, nargs="+", default=[0, 3], choices=range(4))
+    p.add_argument("--precision", default="bf16", choices=("fp32", "bf16"))
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--gpu-layout", action="store_true")
+    a = p.parse_args()
+    from zerofunc.models.gpt2 import MODELS
+    if a.model not in MODELS:
+        print(f"error: --model must be one of {', '.join(MODELS)}, got {a.model!r}", file=sys.stderr)
+        return 2
+    print(f"{a.model}, {a.micro_batch} x {a.seq} tokens, {a.precision}, one rank, "
+          f"{'the GPU' if a.gpu_layout else 'the CPU'}'s layout; GiB allocated at once above the step's start")
+    print("stage  eager  whole  whole/eager  loss eager  loss whole")
+    for stage in a.stages:
+        (eager, loss_e), = spawn(measure, 1, a.model, stage, False, a.precision, a.micro_batch, a.seq, a.gpu_layout)
+        (whole, loss_w), = spawn(measure, 1, a.model, stage, "whole", a.precision, a.micro_batch, a.seq, a.gpu_layout)
+        print(f"{stage:5d}  {eager / GiB:5.3f}  {whole / GiB:5.3f}  {whole / eager:11.3f}  {loss_e:10.4f}  {loss_w:10.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
