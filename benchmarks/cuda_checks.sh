@@ -117,13 +117,13 @@ torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory)
           echo "$name: $($PY benchmarks/mfu.py "$OUT/$name/metrics.jsonl" --model ${AB_MODEL:-gpt2-small} --seq 128 2>&1 \
             | tail -1)" | tee -a "$OUT/ab.txt"
         done; done; done; done ;;
-    overhead) for tree in ${OLD_TREE:+"$OLD_TREE"} .; do  # where the launch-bound step's host time goes, per tree
+    overhead) for tree in ${OLD_TREE:+"$OLD_TREE"} .; do  # where the launch-bound step's host time goes, per tree (OVERHEAD_STAGES=0,1,2,3)
           name=overhead-$([ "$tree" = . ] && echo new || echo old)
           run "$name" bash -c "cd '$tree' && PYTHONPATH=. $PY '$PWD/benchmarks/step_overhead.py' --device cuda \
-            --precision bf16 --width 768 --tokens 8x128 --top 30 --thread-ab"
+            --precision bf16 --width 768 --tokens 8x128 --top 30 --thread-ab --stages ${OVERHEAD_STAGES:-0,3}"
         done
         run overhead-new-compile $PY benchmarks/step_overhead.py --device cuda --precision bf16 --width 768 \
-          --tokens 8x128 --compile --thread-ab ;;
+          --tokens 8x128 --compile --thread-ab --stages "${OVERHEAD_STAGES:-0,3}" ;;
     lora) for stage in 0 3; do  # LoRA r=8 on a frozen bf16 base (issue 32), compiled blocks, 1 GPU
             run lora-s$stage $PY -m train --model gpt2-small --nproc 1 --precision bf16 --steps 50 --stage $stage \
               --lora 8 --out "$OUT/lora-s$stage"
