@@ -6,8 +6,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+
+import pytest
 
 
 def test_the_ranks_fork_server_imports_without_asking_cuda_anything():
@@ -181,3 +184,22 @@ def test_a_rank_keeps_the_memory_its_step_frees():
     from tests.bare import in_world
     for faults, pages in in_world(2, _faults_of_a_step_s_buffers_made_again):
         assert faults <= pages // 100, f"{faults} page faults making {pages} pages again"
+
+
+def _a_lock():
+    return threading.Lock()
+
+
+def test_a_result_pickle_refuses_is_named_not_taken_for_a_death():
+    """A rank's function that returns what pickle refuses (a lock): the launcher says so in one line, naming
+    the type, with no traceback. Pickled by the queue's feeder thread, the error was printed there and
+    the result dropped; the rank then exited 0 and the launcher said "rank 0 died (exit code 0) before its
+    first step" (tests/plants.py: ranks_leave_their_result_to_the_queue_to_pickle)."""
+    import re
+
+    from zerofunc.launch import RankError, spawn
+    with pytest.raises(RankError) as e:
+        spawn(_a_lock, 2, timeout=120)
+    assert re.match(r"rank [01]: its result \(lock\) cannot be sent to the launcher: TypeError: cannot pickle",
+                    str(e.value)), str(e.value)
+    assert e.value.bad_input and e.value.detail is None

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue
 import re
 import signal
@@ -39,6 +40,7 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+from multiprocessing.reduction import ForkingPickler
 
 from zerofunc.fork_server import LaunchersOutput, Lifeline, server_death, start_method
 from zerofunc.host_memory import keep_freed_memory
@@ -169,6 +171,11 @@ def _rendezvous(comm_timeout: float) -> dist.TCPStore:
     return store
 
 
+class _Unsendable(Exception):
+    """A rank's result that pickle refuses: the caller's function returned it, a line of its own to say so."""
+    bad_input = True
+
+
 def _rank_main(rank: int, nproc: int, store_addr: tuple[str, int], backend: str, comm_timeout: float, progress,
                results, fn, args, environ: dict, output: None, lifeline: None) -> None:
     """`output` and `lifeline` are the launcher's `LaunchersOutput()` and `Lifeline`: unpickling them in the
@@ -186,7 +193,13 @@ def _rank_main(rank: int, nproc: int, store_addr: tuple[str, int], backend: str,
         timeout = datetime.timedelta(seconds=comm_timeout)
         store = dist.TCPStore(*store_addr, is_master=False, timeout=timeout)  # the launcher's (_rendezvous)
         dist.init_process_group(backend, store=store, rank=rank, world_size=nproc, timeout=timeout)
-        results.put((rank, True, fn(*args), None, False))
+        result = fn(*args)
+        try:  # pickled here, not in the queue's feeder thread, where a failure is printed and the result lost
+            sent = bytes(ForkingPickler.dumps(result))
+        except Exception as e:
+            raise _Unsendable(f"its result ({type(result).__name__}) cannot be sent to the launcher: "
+                              f"{type(e).__name__}: {e}") from e
+        results.put((rank, True, sent, None, False))
     except BaseException as e:  # report anything, including KeyboardInterrupt, to the parent
         if is_comm_failure(e):
             results.put((rank, False, comm_failure_line(rank, e), None, False))
@@ -277,7 +290,7 @@ def spawn(fn: Callable[..., Any], nproc: int, *args, backend: str = "gloo", time
                     if gone and procs[gone[0]].exitcode != 1:  # 1: it reported a failure of its own
                         value = _death(gone[0], procs[gone[0]], progress)
                 raise RankError(value, detail, bad_input)
-            out[rank] = value
+            out[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=30 if len(out) == nproc else 1)

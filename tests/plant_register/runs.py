@@ -164,4 +164,10 @@ PLANTS: list[Plant] = [
           "a rank leaves glibc's malloc to give freed memory back to the kernel: every step faults its gradients "
           "in again, page by page (30m stage 0 compiled whole: 23,000-29,000 faults, about 45 ms a step)",
           "launcher", ("tests/test_launch.py::test_a_rank_keeps_the_memory_its_step_frees",)),
+    Plant("ranks_leave_their_result_to_the_queue_to_pickle", "zerofunc/launch.py",
+          "            sent = bytes(ForkingPickler.dumps(result))", "            sent = result",
+          "a rank's result pickle refuses is pickled in the queue's feeder thread, which prints the error and drops "
+          "the result: the rank exits 0 and the launcher reports it dead with exit code 0",
+          "issue 31 note", ("tests/test_launch.py::test_a_result_pickle_refuses_is_named_not_taken_for_a_death",),
+          also=(("zerofunc/launch.py", "            out[rank] = pickle.loads(value)", "            out[rank] = value"),)),
 ]
