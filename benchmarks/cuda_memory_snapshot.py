@@ -5,7 +5,8 @@
 
 Runs one cell of `python -m zerofunc.check` (the trainer's step, rank 0 of a simulated
 world) in a fresh process under `torch.cuda.memory._record_memory_history`, then replays
-the allocator's trace: at the moment the most bytes were allocated, it lists the live
+the allocator's trace: at the moment of the measured step (the second: the first compiles) when the
+most bytes were allocated, it lists the live
 blocks grouped by the innermost frame in zerofunc/ or sim/ and by the innermost frame of
 all, beside the cell's planned and measured peaks. What the planner does not count shows
 up as a group it has no line for (a library's workspace, the allocator's rounding). Then it
@@ -43,16 +44,19 @@ from zerofunc.plan import Plan  # noqa: E402
 MiB = 2**20
 
 
-def live_at_peak(trace: list[dict], start: int = 0) -> tuple[int, list[dict]]:
-    """The largest total of allocated blocks over the trace from entry `start` on (what was allocated before
-    it counted as live), and the blocks live then (two passes: find when, then replay to that moment)."""
+def live_at_peak(trace: list[dict], start: int = 0, end: int | None = None) -> tuple[int, list[dict]]:
+    """The largest total of allocated blocks over the trace's entries `start` to `end` (what was allocated
+    before them counted as live), and the blocks live then (two passes: find when, then replay to that
+    moment)."""
+    end = len(trace) if end is None else end
+
     def replay(stop: int | None):
         live, total, best, at = {}, 0, 0, -1
         for i, e in enumerate(trace[:stop]):
             if e["action"] == "alloc":
                 live[e["addr"]] = e
                 total += e["size"]
-                if total > best and i >= start:
+                if total > best and start <= i < end:
                     best, at = total, i
             elif e["action"] == "free_completed" and e["addr"] in live:
                 total -= live.pop(e["addr"])["size"]
@@ -68,7 +72,8 @@ def trace_length() -> int:
 
 def measured_step_starts(marks: list[int]):
     """A stand-in for the cell's train_step that notes where in the allocator's trace each step begins: the
-    first step compiles (its autotuning and warm-up allocate what no later step does), the second is measured."""
+    first step compiles (its autotuning and warm-up allocate what no later step does), the second is measured,
+    a third runs under the cell's memory tracker."""
     step = cells.train_step
 
     def marked(engine, batch):
@@ -163,7 +168,8 @@ def main() -> int:
     if len(trace) >= 1_000_000:
         print("error: the allocator's trace filled its 1,000,000 entries: the step's peak may be cut off", file=sys.stderr)
         return 1
-    peak, blocks = live_at_peak(trace, start=marks[1])  # the measured step's, not the compiling first one's
+    # the measured step's: not the compiling first one's, nor the memory tracker's run after it
+    peak, blocks = live_at_peak(trace, start=marks[1], end=marks[2] if len(marks) > 2 else None)
     print(f"{a.model} stage {a.stage} x {a.world_size}, {a.micro_batch} x {a.seq} tokens, "
           f"{ {'no': 'eager', 'blocks': 'blocks compiled', 'whole': 'compiled whole'}[a.compile]}: planned "
           f"{cell.planned_peak / MiB:.2f} MiB, measured {cell.measured_peak / MiB:.2f}, tracked "
