@@ -5,11 +5,11 @@
 
 Runs one cell of `python -m zerofunc.check` (the trainer's step, rank 0 of a simulated
 world) in a fresh process under `torch.cuda.memory._record_memory_history`, then replays
-the allocator's trace: at the moment of the measured step (the second: the first compiles) when the
-most bytes were allocated, it lists the live
-blocks grouped by the innermost frame in zerofunc/ or sim/ and by the innermost frame of
-all, beside the cell's planned and measured peaks. What the planner does not count shows
-up as a group it has no line for (a library's workspace, the allocator's rounding). Then it
+the allocator's trace: at the moment of the measured step (the second: the first compiles)
+when the most bytes were allocated, it lists the live blocks grouped by the innermost frame
+in zerofunc/ or sim/ and by the innermost frame of all, beside the cell's planned and
+measured peaks. What the planner does not count shows up as a group it has no line for (a
+library's workspace, the allocator's rounding). Then it
 runs the cell again with every op of its first measured step under a probe that lists the
 ops holding memory only while they run (the allocator's peak during the op above what was
 allocated before and after it), and the op during which the step peaked: what
