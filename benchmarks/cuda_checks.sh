@@ -16,7 +16,8 @@
 #   check-medium train adamw check-reduce (about 3 minutes on an H100, 2026-11-26)
 #   whole                                 (about 2 minutes on an H200, 2026-11-27: --compile whole at stages 0 and 3, 1 GPU;
 #                                          WHOLE_STAGES="0 1 2 3" for every stage, WHOLE_MODES="whole eager" for eager beside,
-#                                          WHOLE_FLAGS="--activation-checkpointing full" for more of train's flags)
+#                                          WHOLE_FLAGS="--activation-checkpointing full" for more of train's flags,
+#                                          WHOLE_MODEL=benchmarks/models/gpt2-30m.json (or -120m): the CPU harness's shapes)
 #   ab                                    (on demand, its own call, about 8 minutes for 13 of its 16 runs on an H200, 2026-11-27: AB_STEPS=20 for all; OLD_TREE=DIR: an older commit's trainer beside this one,
 #                                          gpt2-small stages 0 and 3, compiled blocks and eager, in turn, twice;
 #                                          AB_MODES=--compile or --no-compile: one of the two; the compiled half's 8 runs
@@ -97,14 +98,16 @@ torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory)
     pytest) run pytest $PY -m pytest -m cuda tests/test_cuda.py -q -rs ;;
     train) run train $PY -m train --model gpt2-small --nproc 1 --precision bf16 --steps 50 --out "$OUT/train-gpt2-small"
            run mfu $PY benchmarks/mfu.py "$OUT/train-gpt2-small/metrics.jsonl" --model gpt2-small --seq 128 ;;
-    whole) for stage in ${WHOLE_STAGES:-0 3}; do  # the step compiled whole (funcol on NCCL), beside train's compiled blocks
+    whole) model=${WHOLE_MODEL:-gpt2-small}  # WHOLE_MODEL=benchmarks/models/gpt2-30m.json: the CPU harness's 30m shape
+           for stage in ${WHOLE_STAGES:-0 3}; do  # the step compiled whole (funcol on NCCL), beside train's compiled blocks
              for mode in ${WHOLE_MODES:-whole}; do  # WHOLE_MODES="whole eager": each stage eager too, in turn
                flag=$([ "$mode" = eager ] && echo --no-compile || echo --compile whole)
                # WHOLE_FLAGS: more of train's flags for every run (--activation-checkpointing full), named in the label
-               name="train-$mode-s$stage$(printf '%s' "${WHOLE_FLAGS:-}" | tr -cs 'a-z0-9' '-' | sed 's/^-*/-/; s/-*$//')"
-               run "$name" $PY -m train --model gpt2-small --nproc 1 --precision bf16 --steps 50 \
+               name="train-$mode-s$stage$([ "$model" = gpt2-small ] || echo "-$(basename "$model" .json)")"
+               name="$name$(printf '%s' "${WHOLE_FLAGS:-}" | tr -cs 'a-z0-9' '-' | sed 's/^-*/-/; s/-*$//')"
+               run "$name" $PY -m train --model "$model" --nproc 1 --precision bf16 --steps 50 \
                  --stage "$stage" $flag ${WHOLE_FLAGS:-} --out "$OUT/$name"
-               echo "$name: $($PY benchmarks/mfu.py "$OUT/$name/metrics.jsonl" --model gpt2-small \
+               echo "$name: $($PY benchmarks/mfu.py "$OUT/$name/metrics.jsonl" --model "$model" \
                  --seq 128 2>&1 | tail -1)" | tee -a "$OUT/whole.txt"
              done; done ;;
     ab) if [ -z "${OLD_TREE:-}" ] || [ ! -d "$OLD_TREE/train" ]; then  # an older commit's files, beside the checkout's

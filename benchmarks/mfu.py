@@ -1,6 +1,7 @@
 """Tokens/s and model FLOPs utilization of a `python -m train` run, from its metrics.jsonl.
 
     python benchmarks/mfu.py runs/latest/metrics.jsonl --model gpt2-small --seq 128 [--hardware h100-sxm]
+    python benchmarks/mfu.py runs/latest/metrics.jsonl --model benchmarks/models/gpt2-30m.json --seq 128
 
 Training FLOPs per token are 6N for the weights (forward 2N, backward 4N) plus
 12 * layers * width * seq for attention's scores and values (PaLM, appendix B). The
@@ -20,13 +21,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from sim.hardware import get_profile, profile_for_device  # noqa: E402
-from zerofunc.models import GPT, MODELS, model_config  # noqa: E402
+from zerofunc.models import GPT, GPTConfig, model_config  # noqa: E402
+from zerofunc.models.gpt2 import MODELS as GPT_PRESETS  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("metrics", type=Path)
-    p.add_argument("--model", choices=list(MODELS), required=True)
+    p.add_argument("--model", required=True, help=f"the run's --model: a GPT-2 preset ({', '.join(GPT_PRESETS)}) or "
+                   "config.json (benchmarks/models/ holds the CPU harness's 30m and 120m shapes)")
     p.add_argument("--seq", type=int, required=True, help="the run's --seq")
     p.add_argument("--nproc", type=int, default=1, help="the run's ranks (one device each)")
     p.add_argument("--hardware", help="a profile name (default: the profile of this machine's GPU)")
@@ -41,7 +44,14 @@ def main(argv: list[str] | None = None) -> int:
     if not timed:
         print(f"error: {a.metrics} has {len(rows)} steps, none after --skip {a.skip}", file=sys.stderr)
         return 2
-    cfg = model_config(a.model)
+    try:
+        cfg = model_config(a.model)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not isinstance(cfg, GPTConfig):
+        print(f"error: {a.model}: this counts GPT-2's FLOPs, and the model is {cfg.model_type}", file=sys.stderr)
+        return 2
     with torch.device("meta"):
         n = sum(p.numel() for p in GPT(cfg).parameters())  # the head is tied: counted once
     per_token = 6 * n + 12 * cfg.n_layer * cfg.n_embd * a.seq

@@ -186,4 +186,7 @@ PLANTS: list[Plant] = [
           "--compile whole takes optimizer offload, hybrid sharding, hpZ, fp16 and an fp32 reduction of 16-bit "
           "gradients without a word, and trains without them or fails in the ranks", "whole-step levers",
           ("tests/test_compile.py::test_compile_whole_refuses_the_levers_it_lacks_in_one_line",)),
+    Plant("harness_config_of_another_width", "benchmarks/models/gpt2-30m.json", '"n_embd": 640', '"n_embd": 768',
+          "the GPU's 30m rows (the whole part with WHOLE_MODEL) run another model than the CPU harness's 30m, and "
+          "the two are compared as one", "issue 31 note", ("tests/test_harness_models.py",)),
 ]
