@@ -1,11 +1,13 @@
-"""--compile whole, the output head: the traced step computes the loss chunk by chunk, as the eager head does
-(zerofunc/lm_head.py), so no tensor of the step holds every token's logits: a chunk's exist while its loss is
-taken, and under checkpointing again in backward, one chunk at a time. Before, the traced head took the
-logits whole: for Llama-3-8B at 8,192 tokens a micro-batch that is 4.2 GB of fp32 logits and as much
-again for their log-softmax, beyond what the planner plans (the eager step's chunks).
+"""--compile whole, the output head: the traced step computes the loss in as many chunks as the eager head
+(zerofunc/lm_head.py), cut along the vocabulary, so no tensor of the step holds every token's logits over the
+whole vocabulary, and the weight's gradient is written chunk by chunk into its own rows. Before, the traced
+head took the logits whole (for Llama-3-8B at 8,192 tokens a micro-batch, 4.2 GB of fp32 logits and as much
+again for their log-softmax, beyond what the planner plans); then in the eager head's chunks of tokens, where
+the weight's gradient was a sum of one vocabulary-by-width product per chunk, two of them alive at once in the
+compiled backward (it cannot accumulate in place): for gpt2-small 74 MiB more at the step's peak.
 
-Read from inductor's generated code on 2 gloo ranks, stage 0, with and without checkpointing: every buffer
-as wide as the vocabulary has at most one chunk's rows; and the step trains as the eager step does."""
+Read from inductor's generated code on 2 gloo ranks, stage 0, with and without checkpointing: what each
+matmul writes; and the step trains as the eager step does."""
 from __future__ import annotations
 
 import re
@@ -16,7 +18,7 @@ import torch
 from tests.bare import OPTIM, in_world
 from zerofunc.models import GPTConfig
 
-# a vocabulary 62 times the width: 4 chunks of a micro-batch's 22 tokens (zerofunc.lm_head.chunk_rows)
+# a vocabulary 62 times the width: 4 chunks (zerofunc.lm_head.chunk_count) of 250 entries, 22 tokens
 WIDE = GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=1000, block_size=16)
 TOKENS = 2 * 11
 
@@ -36,7 +38,22 @@ def _run(compile, checkpointing):
             for _ in range(3)]
 
 
-def _head_buffers():
+def products(code: str) -> list[tuple[int, ...]]:
+    """The shape of what each matmul of inductor's generated `code` writes (its `out=` buffer, followed through
+    inductor's reuses and views)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    dims = lambda text: tuple(int(x) for x in text.split(",") if x.strip())  # noqa: E731
+    for line in code.splitlines():
+        if m := re.search(r"(buf\d+) = empty_strided_\w+\(\(([\d, ]+)\)", line):
+            shapes[m[1]] = dims(m[2])
+        elif m := re.search(r"(buf\d+) = reinterpret_tensor\(\w+, \(([\d, ]+)\)", line):
+            shapes[m[1]] = dims(m[2])
+        elif m := re.search(r"(buf\d+) = (buf\d+); del \2  # reuse", line):
+            shapes[m[1]] = shapes.get(m[2])
+    return [shapes.get(m[1]) for m in re.finditer(r"extern_kernels\.(?:mm|addmm)\([^\n]*out=(buf\d+)\)", code)]
+
+
+def _head_products():
     from torch._inductor.utils import run_and_get_code
 
     from tests.test_whole_step import apart
@@ -48,22 +65,24 @@ def _head_buffers():
         checkpointing = ActivationCheckpointing(mode) if mode != "none" else ActivationCheckpointing()
         eager = _run(False, checkpointing)
         whole, code = run_and_get_code(_run, "whole", checkpointing)
-        rows = [int(m.group(1)) for c in code
-                for m in re.finditer(rf"= empty_strided_\w+\(\((\d+), {WIDE.vocab_size}\)", c)]
-        out[mode] = apart(eager, whole), rows
+        out[mode] = apart(eager, whole), [p for c in code for p in products(c)]
     return out
 
 
 @pytest.mark.slow
 def test_the_compiled_head_takes_the_logits_a_chunk_at_a_time():
-    """Losses within tests/test_whole_step.py's derived 1e-5 (the same chunks, in the same order as eager's;
-    measured: 0.0). Every vocabulary-wide buffer holds at most `chunk_rows` tokens' logits, never the
-    micro-batch's 22 (tests/plants.py: compiled_head_takes_the_logits_whole), and there are some, or the
-    head's buffers went unread."""
-    from zerofunc.lm_head import chunk_rows
-    most = chunk_rows(TOKENS, WIDE.vocab_size, WIDE.n_embd)
-    assert most < TOKENS, "the model's head has one chunk: the case this test is for is gone"
-    for mode, (loss_err, rows) in in_world(2, _head_buffers)[0].items():
+    """Losses within tests/test_whole_step.py's derived 1e-5 (the same sums, the logsumexp taken over the
+    chunks' logsumexps; measured: 0.0). No matmul writes logits over the whole vocabulary
+    (tests/plants.py: compiled_head_takes_the_logits_whole) nor a vocabulary-by-width product
+    (compiled_head_cuts_the_tokens), and some write one chunk's logits for every token, or the head went unread."""
+    from zerofunc.lm_head import chunk_columns
+    cols = chunk_columns(WIDE.vocab_size, WIDE.n_embd)
+    assert cols < WIDE.vocab_size, "the model's head has one chunk: the case this test is for is gone"
+    for mode, (loss_err, made) in in_world(2, _head_products)[0].items():
         assert loss_err <= 1e-5, f"{mode}: losses differ by {loss_err:.1e}"
-        assert rows, f"{mode}: no vocabulary-wide buffer in the generated code"
-        assert max(rows) <= most, f"{mode}: a buffer of {max(rows)} tokens' logits, where a chunk is {most}"
+        assert (TOKENS, cols) in made, f"{mode}: no matmul makes a chunk's logits ({TOKENS}, {cols}): {made}"
+        whole = [p for p in made if p is not None and len(p) == 2 and WIDE.vocab_size in (p[1], p[0])
+                 and p != (WIDE.vocab_size, WIDE.n_embd)]
+        assert not whole, f"{mode}: matmuls write logits over the whole vocabulary: {whole}"
+        summed = made.count((WIDE.vocab_size, WIDE.n_embd))
+        assert not summed, f"{mode}: {summed} matmuls write the whole weight's gradient, a sum over chunks"

@@ -37,10 +37,28 @@ from zerofunc.tape import overridable
 IGNORE_INDEX = -100  # torch's and Hugging Face's: targets equal to it are not counted
 
 
+def chunk_count(vocab: int, hidden: int) -> int:
+    """The vocabulary's width in units of 16 hidden states."""
+    return max(1, math.ceil(vocab / (16 * hidden)))
+
+
 def chunk_rows(tokens: int, vocab: int, hidden: int) -> int:
-    """Tokens per chunk: the vocabulary's width in units of 16 hidden states gives the chunk count."""
-    chunks = max(1, math.ceil(vocab / (16 * hidden)))
-    return max(1, math.ceil(tokens / chunks))
+    """Tokens per chunk, the eager head's cut."""
+    return max(1, math.ceil(tokens / chunk_count(vocab, hidden)))
+
+
+def chunk_columns(vocab: int, hidden: int) -> int:
+    """Vocabulary entries per chunk, the compiled head's cut: as many chunks as the eager head's."""
+    return max(1, math.ceil(vocab / chunk_count(vocab, hidden)))
+
+
+def _vocabulary_chunk(h: torch.Tensor, weight: torch.Tensor, shifted: torch.Tensor):
+    """Every token's logsumexp over one chunk of the vocabulary, and its target's logit where the target
+    lies in the chunk (0 elsewhere); `shifted`: the targets less the chunk's first entry."""
+    z = nn.functional.linear(h, weight).float()
+    inside = (shifted >= 0) & (shifted < weight.shape[0])
+    picked = z.gather(1, shifted.clamp(0, weight.shape[0] - 1).unsqueeze(1)).squeeze(1)
+    return torch.logsumexp(z, dim=-1), torch.where(inside, picked, 0.0)
 
 
 def _chunk_loss_and_grad(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,
@@ -122,16 +140,22 @@ class LinearCrossEntropy(nn.Module):
         count = valid.sum() if num_items_in_batch is None else torch.as_tensor(
             num_items_in_batch, dtype=torch.float32, device=h.device)
         rows = chunk_rows(h.shape[0], weight.shape[0], weight.shape[1])
-        if torch.compiler.is_compiling():  # a traced step: the same chunks as plain ops, the compiler deriving
-            # their backward (it cannot trace the Function's kept list); under `recompute` each chunk's logits
-            # are computed again in backward, else the partitioner keeps what each chunk's backward needs
-            def summed(h, weight, t):
-                z = nn.functional.linear(h, weight).float()
-                return nn.functional.cross_entropy(z, t, ignore_index=IGNORE_INDEX, reduction="sum")
-            parts = [checkpoint(summed, *chunk, use_reentrant=False, preserve_rng_state=False) if self.recompute
-                     else summed(*chunk)
-                     for chunk in ((h[s:s + rows], weight, t[s:s + rows]) for s in range(0, h.shape[0], rows))]
-            return torch.stack(parts).sum() / count
+        if torch.compiler.is_compiling():  # a traced step: plain ops, the compiler deriving their backward (it
+            # cannot trace the Function's kept list), in as many chunks as eager's but cut along the vocabulary:
+            # each chunk's weight gradient is then its own rows of the weight's, written once. Cut along the
+            # tokens, the weight's gradient is a sum of one vocabulary-wide product per chunk, which the compiled
+            # backward cannot accumulate in place: two of them alive at once (gpt2-small: 74 MiB more in bf16,
+            # docs/BENCHMARKS.md). Under `recompute` each chunk's logits are computed again in backward, else
+            # the partitioner keeps what each chunk's backward needs
+            cols = chunk_columns(weight.shape[0], weight.shape[1])
+            lses, picked = [], torch.zeros(h.shape[0], dtype=torch.float32, device=h.device)
+            for first, w in zip(range(0, weight.shape[0], cols), weight.split(cols)):
+                lse, target = (checkpoint(_vocabulary_chunk, h, w, t - first, use_reentrant=False,
+                                          preserve_rng_state=False) if self.recompute
+                               else _vocabulary_chunk(h, w, t - first))
+                lses.append(lse)
+                picked = picked + target
+            return ((torch.logsumexp(torch.stack(lses, dim=1), dim=1) - picked) * valid).sum() / count
         if not (torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)):
             with torch.no_grad():  # evaluation: the loss alone
                 return _forward_chunks(h, weight, t, valid, rows, keep=False)[0] / count

@@ -159,16 +159,32 @@ PLANTS: list[Plant] = [
           "selective-op checkpointing compiled whole recomputes its blocks whole, keeping no attention or matmul "
           "output: it is full checkpointing under another name", "whole-step checkpointing", ("tests/test_whole_step_checkpointing.py",)),
     Plant("compiled_head_keeps_its_logits", "zerofunc/lm_head.py",
-          "use_reentrant=False, preserve_rng_state=False) if self.recompute\n",
-          "use_reentrant=False, preserve_rng_state=False) if False\n",
+          "preserve_rng_state=False) if self.recompute\n",
+          "preserve_rng_state=False) if False\n",
           "a compiled step with checkpointing on keeps the head's fp32 log-softmax from forward to backward, "
           "vocabulary-wide, where the eager step recomputes it", "whole-step checkpointing", ("tests/test_whole_step_checkpointing.py",)),
     Plant("compiled_head_takes_the_logits_whole", "zerofunc/lm_head.py",
-          "((h[s:s + rows], weight, t[s:s + rows]) for s in range(0, h.shape[0], rows))",
-          "((h, weight, t) for s in range(1))",
-          "the traced step's head computes every token's logits at once: a vocabulary-wide buffer of the whole "
-          "micro-batch (Llama-3-8B at 8,192 tokens: 4.2 GB of fp32), where the eager head and the plan take one "
-          "chunk at a time", "issue 31", ("tests/test_whole_step_head.py",)),
+          "            cols = chunk_columns(weight.shape[0], weight.shape[1])\n",
+          "            cols = weight.shape[0]\n",
+          "the traced step's head computes every token's logits over the whole vocabulary at once (Llama-3-8B at "
+          "8,192 tokens: 4.2 GB of fp32), where the eager head and the plan take one chunk at a time", "issue 31",
+          ("tests/test_whole_step_head.py",)),
+    Plant("compiled_head_cuts_the_tokens", "zerofunc/lm_head.py",
+          "            for first, w in zip(range(0, weight.shape[0], cols), weight.split(cols)):\n"
+          "                lse, target = (checkpoint(_vocabulary_chunk, h, w, t - first, use_reentrant=False,\n"
+          "                                          preserve_rng_state=False) if self.recompute\n"
+          "                               else _vocabulary_chunk(h, w, t - first))\n"
+          "                lses.append(lse)\n"
+          "                picked = picked + target\n"
+          "            return ((torch.logsumexp(torch.stack(lses, dim=1), dim=1) - picked) * valid).sum() / count",
+          "            def summed(h, weight, t):\n"
+          "                z = nn.functional.linear(h, weight).float()\n"
+          "                return nn.functional.cross_entropy(z, t, ignore_index=IGNORE_INDEX, reduction='sum')\n"
+          "            parts = [summed(h[s:s + rows], weight, t[s:s + rows]) for s in range(0, h.shape[0], rows)]\n"
+          "            return torch.stack(parts).sum() / count",
+          "the traced head cuts the tokens, as the eager head does: the weight's gradient is then a sum of one "
+          "vocabulary-by-width product per chunk, two of them alive at once in the compiled backward (gpt2-small: "
+          "74 MiB more at the step's peak)", "issue 31 note", ("tests/test_whole_step_head.py",)),
     # -- frozen parameters compiled whole ----------------------------------------------------------------
     Plant("whole_step_frozen_part_left_out", "zerofunc/whole_step.py",
           "        if unit.frozen is None:\n            return views\n", "        if True:\n            return views\n",
