@@ -23,7 +23,7 @@ WIDE = GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=1000, block_size=16)
 TOKENS = 2 * 11
 
 
-def _run(compile, checkpointing):
+def _run(compile, checkpointing, precision="fp32"):
     from zerofunc.comm import DistCommunicator
     from zerofunc.engine import ZeroEngine
     from zerofunc.models import GPT
@@ -32,7 +32,8 @@ def _run(compile, checkpointing):
     with torch.device("meta"):
         model = GPT(WIDE)
     engine = ZeroEngine(model, STAGES[0], DistCommunicator(link=None), OPTIM,
-                        init=lambda n, s: model.init_param(n, s, 0), compile=compile, checkpointing=checkpointing)
+                        init=lambda n, s: model.init_param(n, s, 0), compile=compile, checkpointing=checkpointing,
+                        precision=precision)
     g = torch.Generator().manual_seed(engine.comm.rank)
     return [train_step(engine, [[torch.randint(0, WIDE.vocab_size, (2, 11), generator=g) for _ in range(2)]]).item()
             for _ in range(3)]
@@ -86,3 +87,28 @@ def test_the_compiled_head_takes_the_logits_a_chunk_at_a_time():
         assert not whole, f"{mode}: matmuls write logits over the whole vocabulary: {whole}"
         summed = made.count((WIDE.vocab_size, WIDE.n_embd))
         assert not summed, f"{mode}: {summed} matmuls write the whole weight's gradient, a sum over chunks"
+
+
+def _bf16_buffers():
+    from torch._inductor.utils import run_and_get_code
+
+    from zerofunc.recompute import ActivationCheckpointing
+    from zerofunc.whole_step import WholeStep
+    WholeStep.backend = "inductor"
+    _, code = run_and_get_code(_run, "whole", ActivationCheckpointing(), "bf16")
+    return [(m[1], m[2]) for c in code for m in re.finditer(r"= empty_strided_\w+\(\(([\d, ]+)\), \([\d, ]*\), torch\.(\w+)\)", c)]
+
+
+@pytest.mark.slow
+def test_the_compiled_tied_embedding_takes_its_gradient_in_the_weight_s_dtype():
+    """bf16 weights: the token embedding the head's weight is tied to adds its rows into the weight's gradient
+    in bf16, as the eager step's tied embedding does (zerofunc/lm_head.py). Traced as F.embedding, its
+    gradient was a vocabulary-by-width fp32 buffer (torch's decomposition accumulates in fp32), rounded to
+    bf16 and added: at gpt2-small, 147 MiB at the end of backward, where stages 1-2 then peaked
+    (tests/plants.py: compiled_tied_embedding_in_fp32). And the weight's gradient is read at all: some
+    buffer of its shape in bf16."""
+    wide = {"1000, 16", "16000, "}
+    buffers = in_world(2, _bf16_buffers)[0]
+    assert any(shape in wide and dtype == "bfloat16" for shape, dtype in buffers), "the weight's gradient went unread"
+    fp32 = [shape for shape, dtype in buffers if shape in wide and dtype == "float32"]
+    assert not fp32, f"{len(fp32)} vocabulary-by-width fp32 buffers in the bf16 step"

@@ -187,9 +187,11 @@ class _TiedEmbedding(torch.autograd.Function):
 @overridable  # seen by zerofunc.tape, which cuts the forward where blocks start
 def tied_embedding(idx: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`(F.embedding(idx, weight), weight)`, where the head must use the returned weight: its
-    gradient then takes the embedding's rows in place. Traced by torch.compile, the plain embedding: the
-    compiler plans the two gradients' sum itself (and dynamo refuses a Function that returns a view of its
-    input when that input is itself made by a Function, as stage 2's whole weights are)."""
+    gradient then takes the embedding's rows in place. Traced by torch.compile, a plain lookup whose
+    backward the compiler adds to the head's (dynamo refuses a Function that returns a view of its input
+    when that input is itself made by a Function, as stage 2's whole weights are): an index, whose gradient
+    accumulates the rows in the weight's dtype as the Function's does, not F.embedding, whose decomposed
+    backward accumulates them in a vocabulary-by-width fp32 buffer (gpt2-small in bf16: 147 MiB)."""
     if torch.compiler.is_compiling():
-        return nn.functional.embedding(idx, weight), weight
+        return weight[idx], weight
     return _TiedEmbedding.apply(idx, weight)
