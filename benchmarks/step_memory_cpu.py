@@ -9,7 +9,7 @@ One rank (a gloo group of one), the third step measured (the first compiles). `-
 each gradient in backward, as the step compiled whole does on a GPU (`WholeStep.reduce_in_backward`), not after
 it as on a CPU; the graphs are then the GPU's as traced, lowered by inductor's CPU backend. `--live N`: the N
 largest allocations live at the peak, each with the phase that made it (forward, backward, reduce, update:
-the step's calls, marked as benchmarks/step_phases.py times them), and the phase the peak falls in.
+the step's calls benchmarks/step_phases.py times, marked), and the phase the peak falls in.
 """
 from __future__ import annotations
 
@@ -22,7 +22,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from step_phases import phase_calls  # noqa: E402
 from zerofunc.launch import spawn  # noqa: E402
 
 GiB = 2**30
@@ -62,37 +64,27 @@ def allocated_peak(prof) -> tuple[int, str, list[tuple[int, str]]]:
 
 @contextlib.contextmanager
 def phases(engine):
-    """The step's calls under profiler markers named by phase, as benchmarks/step_phases.py times them."""
-    import torch
-    patched = []
-
-    def mark(owner, name, phase):
-        fn = getattr(owner, name)
-
-        @functools.wraps(fn)
-        def marked(*args, **kwargs):
-            with torch.profiler.record_function(f"phase: {phase}"):
-                return fn(*args, **kwargs)
-        patched.append((owner, name, fn))
-        setattr(owner, name, marked)
-
-    whole = engine.whole
-    if whole is not None:
-        for name, phase in (("_loss", "forward"), ("_reduce", "reduce"), ("_apply", "update")):
-            mark(whole, name, phase)
-        mark(torch.Tensor, "backward", "backward")
-    else:
-        mark(type(engine), "__call__", "forward")
-        mark(engine, "differentiate", "backward")
-        mark(engine, "update", "update")
+    """The step's calls under profiler markers named by phase (benchmarks/step_phases.py's `phase_calls`)."""
+    calls = phase_calls(engine)
+    originals = [getattr(owner, name) for owner, name, _ in calls]
+    for (owner, name, phase), fn in zip(calls, originals):
+        setattr(owner, name, _marked(fn, phase))
     try:
         yield
     finally:
-        for owner, name, fn in reversed(patched):
-            if owner is engine or owner is whole:
-                delattr(owner, name)  # back to the class's method
-            else:
+        for (owner, name, _), fn in zip(calls, originals):
+            if isinstance(owner, type):
                 setattr(owner, name, fn)
+            else:
+                delattr(owner, name)  # back to the class's method
+
+
+def _marked(fn, phase: str):
+    @functools.wraps(fn)
+    def marked(*args, **kwargs):
+        with torch.profiler.record_function(f"phase: {phase}"):
+            return fn(*args, **kwargs)
+    return marked
 
 
 def measure(model_name: str, stage: int, compile, precision: str, micro_batch: int, seq: int,

@@ -30,6 +30,18 @@ from zerofunc.recompute import MODES  # noqa: E402
 PHASES = ("forward", "backward", "reduce", "barrier", "update", "step")
 
 
+def phase_calls(engine) -> list[tuple[object, str, str]]:
+    """The calls a step's phases are, as (owner, attribute, phase): compiled whole, the instance's compiled
+    callables and autograd's backward; eager, the engine's forward, backward and update. Patched on their
+    owner by whoever measures them (here, and benchmarks/step_memory_cpu.py)."""
+    import torch
+    whole = engine.whole
+    if whole is not None:
+        return [(whole, "_loss", "forward"), (torch.Tensor, "backward", "backward"), (whole, "_reduce", "reduce"),
+                (whole, "_apply", "update")]
+    return [(type(engine), "__call__", "forward"), (engine, "differentiate", "backward"), (engine, "update", "update")]
+
+
 class Probe:
     """A probe of peers.run_rank: `steps` more steps, each phase's calls timed."""
 
@@ -37,7 +49,6 @@ class Probe:
         self.steps, self.faults = steps, faults
 
     def __call__(self, family, engine, train_step, x, y) -> dict:
-        import torch
         import torch.distributed as dist
         spent: dict[str, float] = {}
         # the clock, or the count of minor page faults
@@ -59,28 +70,20 @@ class Probe:
                 return fn(*args, **kwargs)
             return run
 
-        whole = engine.whole
-        if whole is not None:  # the instance's compiled callables, patched on the instance
-            whole._loss = timed("forward", whole._loss)
-            whole._reduce = timed("reduce", whole._reduce)
-            whole._apply = behind_barrier(timed("update", whole._apply))
-            backward = torch.Tensor.backward
-            torch.Tensor.backward = timed("backward", backward)
-        else:
-            forward = type(engine).__call__
-            type(engine).__call__ = timed("forward", forward)
-            engine.differentiate = timed("backward", engine.differentiate)
-            engine.update = behind_barrier(timed("update", engine.update))
+        calls = phase_calls(engine)
+        originals = [getattr(owner, name) for owner, name, _ in calls]
+        for (owner, name, phase), fn in zip(calls, originals):
+            fn = timed(phase, fn)
+            setattr(owner, name, behind_barrier(fn) if phase == "update" else fn)
         try:
             t0 = now()
             for _ in range(self.steps):
                 train_step(x, y)
             spent["step"] = now() - t0
-        finally:
-            if whole is not None:
-                torch.Tensor.backward = backward
-            else:
-                type(engine).__call__ = forward
+        finally:  # the classes' own back (what was patched on an instance goes with it)
+            for (owner, name, _), fn in zip(calls, originals):
+                if isinstance(owner, type):
+                    setattr(owner, name, fn)
         return {phase: s / self.steps * (1 if self.faults else 1e3) for phase, s in spent.items()}
 
 

@@ -139,7 +139,6 @@ class LinearCrossEntropy(nn.Module):
         valid = (t != IGNORE_INDEX).float()
         count = valid.sum() if num_items_in_batch is None else torch.as_tensor(
             num_items_in_batch, dtype=torch.float32, device=h.device)
-        rows = chunk_rows(h.shape[0], weight.shape[0], weight.shape[1])
         if torch.compiler.is_compiling():  # a traced step: plain ops, the compiler deriving their backward (it
             # cannot trace the Function's kept list), in as many chunks as eager's but cut along the vocabulary:
             # each chunk's weight gradient is then its own rows of the weight's, written once. Cut along the
@@ -156,6 +155,7 @@ class LinearCrossEntropy(nn.Module):
                 lses.append(lse)
                 picked = picked + target
             return ((torch.logsumexp(torch.stack(lses, dim=1), dim=1) - picked) * valid).sum() / count
+        rows = chunk_rows(h.shape[0], weight.shape[0], weight.shape[1])
         if not (torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)):
             with torch.no_grad():  # evaluation: the loss alone
                 return _forward_chunks(h, weight, t, valid, rows, keep=False)[0] / count

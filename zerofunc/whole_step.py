@@ -58,10 +58,10 @@ from torch.utils.checkpoint import checkpoint
 
 from sim.ledger import LedgerEntry
 from zerofunc.binding import installed
+from zerofunc.collectives import Group, ReducedGradient
 from zerofunc.comm_schedule import overlap
 from zerofunc.compiled_graphs import Collective, CompiledGraphs
 from zerofunc.recompute import head_settings, keep_attention_and_every_second_matmul, without_cache
-from zerofunc.collectives import Group, ReducedGradient
 from zerofunc.state import OptimizerState
 from zerofunc.units import reduced_dtype
 from zerofunc.whole_update import adamw_then_gather, reduced_and_norm
