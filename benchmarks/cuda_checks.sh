@@ -30,7 +30,8 @@
 #   snapshot                              (on demand: the allocator's blocks at two cells' peaks)
 #   whole-memory                          (on demand, about 3 minutes expected: the allocator's blocks at the step's peak,
 #                                          eager and compiled whole, stages 0 and 3 (WHOLE_STAGES), one rank, 8 x 128
-#                                          tokens: where the step compiled whole holds more than eager, the eighth run's 8-23%)
+#                                          tokens: where the step compiled whole holds more than eager, the eighth run's 8-23%;
+#                                          WHOLE_MODEL as the whole part's: llama-32k-vocab.json, an untied embedding)
 #   titan-memory                          (on demand, 2-4 minutes expected: torchtitan's Llama-3.1-8B H100 rows' shape,
 #                                          stage 3 at 8 and 128 simulated ranks, 2 x 8192 tokens, selective-op, fp32
 #                                          reductions: planned peak, allocated, and the allocator's peak reserve)
@@ -135,8 +136,10 @@ torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory)
           done ;;
     snapshot) for cell in "0 1" "3 64"; do set -- $cell
            run "snapshot-s$1-w$2" $PY benchmarks/cuda_memory_snapshot.py --model gpt2-small --stage "$1" --world-size "$2"; done ;;
-    whole-memory) for stage in ${WHOLE_STAGES:-0 3}; do for mode in no whole; do  # the whole part's shape, one rank
-           run "whole-memory-s$stage-$mode" $PY benchmarks/cuda_memory_snapshot.py --model gpt2-small --stage "$stage" \
+    whole-memory) model=${WHOLE_MODEL:-gpt2-small}  # the whole part's shape, one rank (and its WHOLE_MODEL)
+           for stage in ${WHOLE_STAGES:-0 3}; do for mode in no whole; do
+           run "whole-memory-s$stage-$mode$([ "$model" = gpt2-small ] || echo "-$(basename "$model" .json)")" \
+             $PY benchmarks/cuda_memory_snapshot.py --model "$model" --stage "$stage" \
              --world-size 1 --micro-batch 8 --seq 128 --compile "$mode"; done; done ;;
     constants) run constants $PY benchmarks/op_constants.py --json-out "$OUT/op-constants.json" \
                  --profiles-out "$OUT/measured-profiles.json" ;;

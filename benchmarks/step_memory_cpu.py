@@ -91,17 +91,16 @@ def measure(model_name: str, stage: int, compile, precision: str, micro_batch: i
             gpu_layout: bool):
     from zerofunc.comm import DistCommunicator
     from zerofunc.engine import ZeroEngine
-    from zerofunc.models import GPT
-    from zerofunc.models.gpt2 import MODELS
+    from zerofunc.models import build_model, model_config
     from zerofunc.optim import AdamWConfig
     from zerofunc.stages import STAGES
     from zerofunc.step import train_step
     from zerofunc.whole_step import WholeStep
     WholeStep.reduce_in_backward = True if gpu_layout else None
     torch.set_num_threads(2)
-    cfg = MODELS[model_name]
+    cfg = model_config(model_name)
     with torch.device("meta"):
-        model = GPT(cfg)
+        model = build_model(cfg)
     engine = ZeroEngine(model, STAGES[stage], DistCommunicator(link=None), AdamWConfig(),
                         init=lambda n, s: model.init_param(n, s, 0), compile=compile, precision=precision)
     g = torch.Generator().manual_seed(0)
@@ -116,7 +115,7 @@ def measure(model_name: str, stage: int, compile, precision: str, micro_batch: i
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="gpt2-small")
+    p.add_argument("--model", default="gpt2-small", help="a preset or a config.json, as python -m train takes")
     p.add_argument("--stages", type=int, nargs="+", default=[0, 3], choices=range(4))
     p.add_argument("--precision", default="bf16", choices=("fp32", "bf16"))
     p.add_argument("--micro-batch", type=int, default=8)
@@ -124,9 +123,11 @@ def main() -> int:
     p.add_argument("--gpu-layout", action="store_true")
     p.add_argument("--live", type=int, default=0, metavar="N", help="list the N largest allocations live at the peak")
     a = p.parse_args()
-    from zerofunc.models.gpt2 import MODELS
-    if a.model not in MODELS:
-        print(f"error: --model must be one of {', '.join(MODELS)}, got {a.model!r}", file=sys.stderr)
+    from zerofunc.models import model_config
+    try:
+        model_config(a.model)
+    except ValueError as e:
+        print(f"error: --model: {e}", file=sys.stderr)
         return 2
     print(f"{a.model}, {a.micro_batch} x {a.seq} tokens, {a.precision}, one rank, "
           f"{'the GPU' if a.gpu_layout else 'the CPU'}'s layout; GiB allocated at once above the step's start")

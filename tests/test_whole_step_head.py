@@ -4,7 +4,8 @@ whole vocabulary, and the weight's gradient is written chunk by chunk into its o
 head took the logits whole (for Llama-3-8B at 8,192 tokens a micro-batch, 4.2 GB of fp32 logits and as much
 again for their log-softmax, beyond what the planner plans); then in the eager head's chunks of tokens, where
 the weight's gradient was a sum of one vocabulary-by-width product per chunk, two of them alive at once in the
-compiled backward (it cannot accumulate in place): for gpt2-small 74 MiB more at the step's peak.
+compiled backward (it cannot accumulate in place): for gpt2-small 74 MiB more at the step's peak. And the
+token embedding's gradient, tied to the head or not, is taken in the weight's dtype, as eager takes it.
 
 Read from inductor's generated code on 2 gloo ranks, stage 0, with and without checkpointing: what each
 matmul writes; and the step trains as the eager step does."""
@@ -17,20 +18,21 @@ import torch
 
 from tests.bare import OPTIM, in_world
 from zerofunc.models import GPTConfig
+from zerofunc.models.llama import LlamaConfig
 
 # a vocabulary 62 times the width: 4 chunks (zerofunc.lm_head.chunk_count) of 250 entries, 22 tokens
 WIDE = GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=1000, block_size=16)
 TOKENS = 2 * 11
 
 
-def _run(compile, checkpointing, precision="fp32"):
+def _run(compile, checkpointing, precision="fp32", make=None):
     from zerofunc.comm import DistCommunicator
     from zerofunc.engine import ZeroEngine
     from zerofunc.models import GPT
     from zerofunc.stages import STAGES
     from zerofunc.step import train_step
     with torch.device("meta"):
-        model = GPT(WIDE)
+        model = GPT(WIDE) if make is None else make()
     engine = ZeroEngine(model, STAGES[0], DistCommunicator(link=None), OPTIM,
                         init=lambda n, s: model.init_param(n, s, 0), compile=compile, checkpointing=checkpointing,
                         precision=precision)
@@ -89,26 +91,40 @@ def test_the_compiled_head_takes_the_logits_a_chunk_at_a_time():
         assert not summed, f"{mode}: {summed} matmuls write the whole weight's gradient, a sum over chunks"
 
 
+# untied: the embedding is an nn.Embedding (Hugging Face's, ours for Llama), the head a weight of its own
+UNTIED = LlamaConfig(n_layer=2, n_head=2, n_embd=16, intermediate_size=32, vocab_size=1000, block_size=16)
+
+
 def _bf16_buffers():
+    """Every buffer inductor's generated code allocates, (shape, dtype), in a bf16 step of the tied GPT and of the
+    untied Llama."""
     from torch._inductor.utils import run_and_get_code
 
+    from zerofunc.models.llama import Llama
     from zerofunc.recompute import ActivationCheckpointing
     from zerofunc.whole_step import WholeStep
     WholeStep.backend = "inductor"
-    _, code = run_and_get_code(_run, "whole", ActivationCheckpointing(), "bf16")
-    return [(m[1], m[2]) for c in code for m in re.finditer(r"= empty_strided_\w+\(\(([\d, ]+)\), \([\d, ]*\), torch\.(\w+)\)", c)]
+    out = {}
+    for name, model in (("tied", None), ("untied", lambda: Llama(UNTIED))):
+        _, code = run_and_get_code(_run, "whole", ActivationCheckpointing(), "bf16", model)
+        out[name] = [(m[1], m[2]) for c in code
+                     for m in re.finditer(r"= empty_strided_\w+\(\(([\d, ]+)\), \([\d, ]*\), torch\.(\w+)\)", c)]
+    return out
 
 
 @pytest.mark.slow
-def test_the_compiled_tied_embedding_takes_its_gradient_in_the_weight_s_dtype():
-    """bf16 weights: the token embedding the head's weight is tied to adds its rows into the weight's gradient
-    in bf16, as the eager step's tied embedding does (zerofunc/lm_head.py). Traced as F.embedding, its
-    gradient was a vocabulary-by-width fp32 buffer (torch's decomposition accumulates in fp32), rounded to
-    bf16 and added: at gpt2-small, 147 MiB at the end of backward, where stages 1-2 then peaked
-    (tests/plants.py: compiled_tied_embedding_in_fp32). And the weight's gradient is read at all: some
-    buffer of its shape in bf16."""
+def test_the_compiled_embeddings_take_their_gradient_in_the_weight_s_dtype():
+    """bf16 weights: the token embedding adds its rows into the weight's gradient in bf16, as the eager step's
+    embeddings do: tied to the head (GPT, zerofunc/lm_head.py) or not (Llama's nn.Embedding), its backward is
+    ATen's kernel, the eager one (zerofunc/compiled_graphs.py). Through torch's decomposition of F.embedding's
+    backward, the gradient was a vocabulary-by-width fp32 buffer, rounded to bf16: tied at gpt2-small 147 MiB at
+    the end of backward, where stages 1-2 then peaked; untied at Llama-3-8B 2.1 GB (tests/plants.py:
+    compiled_embedding_in_fp32). And the weight's gradient is read at all: some buffer of its shape in bf16."""
     wide = {"1000, 16", "16000, "}
-    buffers = in_world(2, _bf16_buffers)[0]
-    assert any(shape in wide and dtype == "bfloat16" for shape, dtype in buffers), "the weight's gradient went unread"
-    fp32 = [shape for shape, dtype in buffers if shape in wide and dtype == "float32"]
-    assert not fp32, f"{len(fp32)} vocabulary-by-width fp32 buffers in the bf16 step"
+    wrong = []
+    for name, buffers in in_world(2, _bf16_buffers)[0].items():
+        if not any(shape in wide and dtype == "bfloat16" for shape, dtype in buffers):
+            wrong.append(f"{name}: the weight's gradient went unread")
+        if fp32 := [shape for shape, dtype in buffers if shape in wide and dtype == "float32"]:
+            wrong.append(f"{name}: {len(fp32)} vocabulary-by-width fp32 buffers in the bf16 step")
+    assert not wrong, "; ".join(wrong)

@@ -189,9 +189,8 @@ def tied_embedding(idx: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tenso
     """`(F.embedding(idx, weight), weight)`, where the head must use the returned weight: its
     gradient then takes the embedding's rows in place. Traced by torch.compile, a plain lookup whose
     backward the compiler adds to the head's (dynamo refuses a Function that returns a view of its input
-    when that input is itself made by a Function, as stage 2's whole weights are): an index, whose gradient
-    accumulates the rows in the weight's dtype as the Function's does, not F.embedding, whose decomposed
-    backward accumulates them in a vocabulary-by-width fp32 buffer (gpt2-small in bf16: 147 MiB)."""
+    when that input is itself made by a Function, as stage 2's whole weights are); its gradient is ATen's
+    kernel's, in the weight's dtype (zerofunc/compiled_graphs.py)."""
     if torch.compiler.is_compiling():
-        return weight[idx], weight
+        return nn.functional.embedding(idx, weight), weight
     return _TiedEmbedding.apply(idx, weight)
