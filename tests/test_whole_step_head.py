@@ -116,7 +116,7 @@ def _bf16_buffers():
 def test_the_compiled_embeddings_take_their_gradient_in_the_weight_s_dtype():
     """bf16 weights: the token embedding adds its rows into the weight's gradient in bf16, as the eager step's
     embeddings do: tied to the head (GPT, zerofunc/lm_head.py) or not (Llama's nn.Embedding), its backward is
-    ATen's kernel, the eager one (zerofunc/compiled_graphs.py). Through torch's decomposition of F.embedding's
+    ATen's kernel, the eager one (zerofunc/decompositions.py). Through torch's decomposition of F.embedding's
     backward, the gradient was a vocabulary-by-width fp32 buffer, rounded to bf16: tied at gpt2-small 147 MiB at
     the end of backward, where stages 1-2 then peaked; untied at Llama-3-8B 2.1 GB (tests/plants.py:
     compiled_embedding_in_fp32). And the weight's gradient is read at all: some buffer of its shape in bf16."""

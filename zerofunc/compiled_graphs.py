@@ -5,7 +5,6 @@ and the most gathered bytes alive at any node); and each time a compiled graph r
 collectives that run issued, so that the ledger holds what the compiled step sent, as the eager step's does."""
 from __future__ import annotations
 
-import functools
 import operator
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -14,6 +13,7 @@ import torch
 
 from zerofunc.broadcast_gather import BROADCAST_GATHER, BROADCAST_GATHER_INTO
 from zerofunc.collectives import GATHER
+from zerofunc.decompositions import decompositions
 
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 # functionalization's wrappers of a custom op that mutates an input (broadcast_gather_into)
@@ -22,32 +22,6 @@ FUNCTIONALIZED = tuple(getattr(torch.ops.higher_order, name) for name in ("auto_
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")  # as the ledger names them (sim/ledger.py)
 MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
            torch.ops.aten.baddbmm.default}
-
-
-@torch.library.custom_op("zerofunc::embedding_backward", mutates_args=())
-def embedding_backward(grad: torch.Tensor, indices: torch.Tensor, num_weights: int, padding_idx: int,
-                       scale_grad_by_freq: bool) -> torch.Tensor:
-    """An embedding's gradient by ATen's kernel, the eager step's, opaque to the compiler (`_decompositions`)."""
-    return torch.ops.aten.embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
-
-
-@embedding_backward.register_fake
-def _(grad, indices, num_weights, padding_idx, scale_grad_by_freq):
-    return grad.new_empty((num_weights, *grad.shape[indices.dim():]))
-
-
-@functools.cache
-def _decompositions() -> dict:
-    """Inductor's decompositions, but an embedding's gradient is ATen's kernel, the eager step's. Torch's
-    decomposition accumulates a 16-bit embedding's rows in a vocabulary-by-width fp32 buffer and rounds it
-    (gpt2-small's tied embedding: 147 MiB more than eager at the end of backward; Llama-3-8B's untied one:
-    2.1 GB); the kernel writes the gradient in the weight's dtype. Not left out of the table for inductor to
-    fall back on: torch 2.11's inductor refuses an implicit fallback for an op its own table decomposes."""
-    from torch._inductor.decomposition import select_decomp_table
-    aten = torch.ops.aten.embedding_dense_backward
-    table = {op: fn for op, fn in select_decomp_table().items() if getattr(op, "overloadpacket", None) is not aten}
-    table[aten.default] = embedding_backward
-    return table
 
 
 @dataclass(frozen=True)
@@ -118,7 +92,7 @@ class CompiledGraphs:
             from torch._inductor.compile_fx import compile_fx
             # the collectives stay where the post-grad pass put them: inductor's comm reordering would hoist
             # every gather; its peak-memory reordering puts each wait back right after its collective
-            run = compile_fx(gm, example_inputs, decompositions=_decompositions(), config_patches={
+            run = compile_fx(gm, example_inputs, decompositions=decompositions(), config_patches={
                 "post_grad_custom_post_pass": self._post_grad, "reorder_for_compute_comm_overlap": False,
                 **({"reorder_for_peak_memory": False} if self.schedule is not None else {})})
         else:  # traced and partitioned as under inductor (its partitioner recomputes what the policy says), run

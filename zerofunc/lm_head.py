@@ -190,7 +190,7 @@ def tied_embedding(idx: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tenso
     gradient then takes the embedding's rows in place. Traced by torch.compile, a plain lookup whose
     backward the compiler adds to the head's (dynamo refuses a Function that returns a view of its input
     when that input is itself made by a Function, as stage 2's whole weights are); its gradient is ATen's
-    kernel's, in the weight's dtype (zerofunc/compiled_graphs.py)."""
+    kernel's, in the weight's dtype (zerofunc/decompositions.py)."""
     if torch.compiler.is_compiling():
         return nn.functional.embedding(idx, weight), weight
     return _TiedEmbedding.apply(idx, weight)

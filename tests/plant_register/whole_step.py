@@ -186,7 +186,7 @@ PLANTS: list[Plant] = [
           "vocabulary-by-width product per chunk, two of them alive at once in the compiled backward (gpt2-small: "
           "74 MiB more at the step's peak)", "issue 31 note", ("tests/test_whole_step_head.py",)),
     Plant("compiled_embedding_in_fp32", "zerofunc/compiled_graphs.py",
-          "compile_fx(gm, example_inputs, decompositions=_decompositions(), ",
+          "compile_fx(gm, example_inputs, decompositions=decompositions(), ",
           "compile_fx(gm, example_inputs, ",
           "an embedding's gradient compiled whole goes through torch's decomposition, which accumulates a 16-bit "
           "embedding's rows in a vocabulary-by-width fp32 buffer: tied, gpt2-small 147 MiB at the end of backward, "
