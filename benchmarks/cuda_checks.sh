@@ -26,6 +26,9 @@
 #                                          timed and profiled by cProfile; with OLD_TREE, that tree's first; this
 #                                          tree's also compiled; --thread-ab: the tape's autograd on the calling
 #                                          thread against the device's worker thread, in turn)
+#   kernels                               (on demand, about 1.5 minutes: the default job's eager step, stages 0-3, one
+#                                          step under torch.profiler: the device's busy time against the step's, the
+#                                          ops taking the most device and host time; why stages 1-2 ran at half stage 0's pace)
 #   lora                                  (on demand, about 2 minutes: --lora 8 at stages 0 and 3, 1 GPU)
 #   snapshot                              (on demand: the allocator's blocks at two cells' peaks)
 #   whole-memory                          (on demand, about 3 minutes expected: the allocator's blocks at the step's peak,
@@ -128,6 +131,8 @@ torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory)
         done
         run overhead-new-compile $PY benchmarks/step_overhead.py --device cuda --precision bf16 --width 768 \
           --tokens 8x128 --compile --thread-ab --stages "${OVERHEAD_STAGES:-0,3}" ;;
+    kernels) run kernels $PY benchmarks/step_overhead.py --device cuda --precision bf16 --width 768 --tokens 8x128 \
+               --kernels 25 --stages "${OVERHEAD_STAGES:-0,1,2,3}" ;;  # where the eager step's device time goes
     lora) for stage in 0 3; do  # LoRA r=8 on a frozen bf16 base (issue 32), compiled blocks, 1 GPU
             run lora-s$stage $PY -m train --model gpt2-small --nproc 1 --precision bf16 --steps 50 --stage $stage \
               --lora 8 --out "$OUT/lora-s$stage"

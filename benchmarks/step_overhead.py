@@ -9,6 +9,8 @@ work runs at the host's pace (docs/CUDA.md), which is what this counts.
                                                                            # and where its host time goes
     ... --thread-ab                                                        # the tape's autograd on the calling
                                                                            # thread against the device's, in turn
+    ... --kernels 25                                                       # one step under torch.profiler: the
+                                                                           # device's busy time, the top ops
 
 One gloo rank, a 12-block GPT of width 64 (the blocks' count is what a step's host work grows with),
 one micro-batch of 32 tokens, fp32, after 3 steps (the flags change each). On CUDA the step is timed to a
@@ -38,7 +40,7 @@ class _CountOps(TorchDispatchMode):
 
 
 def one_rank(stage: int, compile: bool, device: str, precision: str, width: int, tokens: tuple[int, int],
-             top: int, thread_ab: bool = False) -> tuple[int, int, float, str, str]:
+             top: int, thread_ab: bool = False, kernels: int = 0) -> tuple[int, int, float, str, str]:
     from zerofunc.comm import DistCommunicator
     from zerofunc.engine import ZeroEngine
     from zerofunc.models import GPT, GPTConfig
@@ -73,7 +75,33 @@ def one_rank(stage: int, compile: bool, device: str, precision: str, width: int,
     stats = pstats.Stats(profile, stream=io.StringIO())
     if top:
         stats.sort_stats("tottime").print_stats(top)
-    return (counting.ops, stats.total_calls, _median_ms(times), threads, stats.stream.getvalue() if top else "")
+    listing = stats.stream.getvalue() if top else ""
+    if kernels:
+        listing += _device_profile(lambda: train_step(engine, batch), sync, device, kernels)
+    return (counting.ops, stats.total_calls, _median_ms(times), threads, listing)
+
+
+def _device_profile(step, sync, device: str, n: int) -> str:
+    """One step under torch.profiler: how long the device was busy against the step's wall time (a
+    launch-bound step leaves it idle), the `n` ops and kernels that took the most device time, and the `n`
+    that took the most host time (a synchronize the host waits in shows there: `cudaStreamSynchronize`,
+    `aten::_local_scalar_dense`)."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    sync()
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        step()
+        sync()
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    out = [f"\none step profiled: {wall * 1e3:.1f} ms of wall time (profiler's own cost included)"]
+    if device == "cuda":
+        busy = sum(e.self_device_time_total for e in events) / 1e3
+        out.append(f"device busy {busy:.1f} ms (the sum of every kernel's and copy's own time)")
+        out.append(events.table(sort_by="self_device_time_total", row_limit=n))
+    out.append(events.table(sort_by="self_cpu_time_total", row_limit=n))
+    return "\n".join(out)
 
 
 def _step_times(step, sync, n: int) -> list[float]:
@@ -124,13 +152,16 @@ def main() -> None:
                    help="also time the step with the tape differentiating on the calling thread (this tree's) and "
                         "on autograd's device thread (torch's default), in turn")
     p.add_argument("--top", type=int, default=0, help="also print the step's N costliest functions by own time (cProfile)")
+    p.add_argument("--kernels", type=int, default=0, metavar="N",
+                   help="also profile one step (torch.profiler): the device's busy time against the step's, and "
+                        "the N ops taking the most device time and the most host time")
     a = p.parse_args()
     from tests.bare import in_world
     tokens = tuple(int(n) for n in a.tokens.split("x"))
     print(f"{'stage':>5} {'compile':>7} {'aten ops':>9} {'Python calls':>12} {'median ms':>9}")
     for stage in (int(s) for s in a.stages.split(",")):
         ops, calls, ms, threads, profile = in_world(1, one_rank, stage, a.compile, a.device, a.precision, a.width,
-                                                    tokens, a.top, a.thread_ab,
+                                                    tokens, a.top, a.thread_ab, a.kernels,
                                                     backend="nccl" if a.device == "cuda" else "gloo")[0]
         print(f"{stage:>5} {str(a.compile):>7} {ops:>9,} {calls:>12,} {ms:>9.1f}{'  ' + threads if threads else ''}",
               flush=True)
