@@ -26,6 +26,10 @@
 #                                          timed and profiled by cProfile; with OLD_TREE, that tree's first; this
 #                                          tree's also compiled; --thread-ab: the tape's autograd on the calling
 #                                          thread against the device's worker thread, in turn)
+#   peers                                 (on demand, about 5 minutes expected: benchmarks/peers.py on one GPU, one NCCL
+#                                          rank each: zerofunc's stages eager and compiled whole beside DDP,
+#                                          ZeroRedundancyOptimizer, FSDP2 and DeepSpeed where installed, fp32, 120m
+#                                          (PEERS_MODEL), step time and the allocator's peak; PEERS_IMPLS, PEERS_REPEAT)
 #   kernels                               (on demand, about 1.5 minutes: the default job's eager step, stages 0-3, one
 #                                          step under torch.profiler: the device's busy time against the step's, the
 #                                          ops taking the most device and host time; why stages 1-2 ran at half stage 0's pace)
@@ -131,6 +135,10 @@ torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory)
         done
         run overhead-new-compile $PY benchmarks/step_overhead.py --device cuda --precision bf16 --width 768 \
           --tokens 8x128 --compile --thread-ab --stages "${OVERHEAD_STAGES:-0,3}" ;;
+    peers) run "peers-${PEERS_MODEL:-120m}" $PY benchmarks/peers.py --device cuda --model "${PEERS_MODEL:-120m}" \
+             --repeat "${PEERS_REPEAT:-1}" --json --impl ${PEERS_IMPLS:-zerofunc-0 zerofunc-1 zerofunc-2 zerofunc-3 \
+             zerofunc-whole-0 zerofunc-whole-1 zerofunc-whole-2 zerofunc-whole-3 ddp zero-redundancy-opt \
+             fsdp2-reshard-false fsdp2-reshard-true deepspeed-0 deepspeed-1 deepspeed-2 deepspeed-3} ;;
     kernels) run kernels $PY benchmarks/step_overhead.py --device cuda --precision bf16 --width 768 --tokens 8x128 \
                --kernels 25 --stages "${OVERHEAD_STAGES:-0,1,2,3}" ;;  # where the eager step's device time goes
     lora) for stage in 0 3; do  # LoRA r=8 on a frozen bf16 base (issue 32), compiled blocks, 1 GPU

@@ -1,6 +1,7 @@
 """zerofunc next to its peers: the same GPT, data, seed and 2 gloo ranks through each.
 
     python benchmarks/peers.py --model tiny|30m|120m [--steps K] [--warmup W] [--repeat R] [--impl NAME ...] [--json]
+    python benchmarks/peers.py --device cuda ...   # one GPU: one NCCL rank each, the device's peak memory
 
 Implementations (each in its own fresh 2-rank world, one thread per rank):
   zerofunc stages 0-3; DeepSpeed stages 0-3 ("gradient_clipping": 0.0, torch's AdamW,
@@ -22,6 +23,11 @@ memory to zerofunc at the matching stage. Last, zerofunc's own stage 3 / stage 0
 ZeroRedundancyOptimizer ~ 1, FSDP2 reshard False ~ 2, reshard True ~ 3.
 
 The peers are optional dependencies: one whose import fails is reported "not installed".
+
+`--device cuda`: each implementation on one GPU, a world of one NCCL rank (NCCL puts no two ranks on one device),
+the step timed from a synchronize to one after it, and memory the allocator's peak (`max_memory_allocated`) in
+place of resident memory. With one rank no collective moves data: the rows compare each implementation's
+compute and the host's work around it, which a step of a few thousand tokens waits on (docs/CUDA.md).
 """
 from __future__ import annotations
 
@@ -101,10 +107,11 @@ def _peak_rss_bytes() -> int:
 
 
 def run_rank(impl: str, model_name: str, steps: int, warmup: int, shard_group=None, probe=None,
-             checkpointing: str = "none") -> dict:
+             checkpointing: str = "none", device: str = "cpu") -> dict:
     """One rank of one implementation; runs inside zerofunc.launch.spawn. `shard_group`: hybrid sharding (zerofunc,
     FSDP2). `probe(family, engine or module, train_step, x, y)`: run on an extra step K+1, its result returned.
-    `checkpointing`: zerofunc's activation checkpointing mode (zerofunc.recompute), zerofunc's rows only."""
+    `checkpointing`: zerofunc's activation checkpointing mode (zerofunc.recompute), zerofunc's rows only.
+    `device`: cpu, or cuda (GPU 0)."""
     import torch.distributed as dist
     from train.data import load_tokens, rank_batch
 
@@ -117,6 +124,10 @@ def run_rank(impl: str, model_name: str, steps: int, warmup: int, shard_group=No
     family, stage, _ = IMPLS[impl]
     rank, world = dist.get_rank(), dist.get_world_size()
     tokens = load_tokens(None, SEQ)
+    dev = torch.device(device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    if dev.type == "cuda":
+        torch.cuda.set_device(0)
     model = build_model(model_name)
     n_params = sum(p.numel() for p in model.parameters())
     engine = model  # what a probe inspects: zerofunc's or DeepSpeed's engine, else the module
@@ -129,7 +140,7 @@ def run_rank(impl: str, model_name: str, steps: int, warmup: int, shard_group=No
             "zero_optimization": {"stage": stage, **({"shard_group_size": shard_group} if shard_group else {})},
             "optimizer": {"type": "AdamW", "params": {**OPT, "betas": list(OPT["betas"])}},
             **({"activation_checkpointing": {"mode": checkpointing}} if checkpointing != "none" else {})},
-            **({"compile": "whole"} if family == "zerofunc-whole" else {}))
+            device=dev, **({"compile": "whole"} if family == "zerofunc-whole" else {}))
 
         def train_step(x, y):
             if engine.whole is not None:  # the first step compiles: a warm-up step
@@ -141,7 +152,8 @@ def run_rank(impl: str, model_name: str, steps: int, warmup: int, shard_group=No
     elif checkpointing != "none":
         raise ValueError(f"{impl}: activation checkpointing is set for zerofunc's rows only")
     elif family == "deepspeed":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        os.environ.setdefault("DS_ACCELERATOR", dev.type)
+        model.to(dev)
         os.environ.setdefault("LOCAL_RANK", str(rank))
         import deepspeed
         zero = {"stage": stage}
@@ -161,7 +173,7 @@ def run_rank(impl: str, model_name: str, steps: int, warmup: int, shard_group=No
             return loss
     elif family in ("ddp", "zro"):
         from torch.nn.parallel import DistributedDataParallel as DDP
-        ddp = DDP(model)
+        ddp = DDP(model.to(dev), device_ids=[0] if dev.type == "cuda" else None)
         if family == "zro":
             from torch.distributed.optim import ZeroRedundancyOptimizer
             opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, **OPT)
@@ -171,7 +183,9 @@ def run_rank(impl: str, model_name: str, steps: int, warmup: int, shard_group=No
     elif family == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
-        mesh = shard_group and init_device_mesh("cpu", (world // shard_group, shard_group), mesh_dim_names=("replicate", "shard"))
+        model.to(dev)
+        mesh = shard_group and init_device_mesh(dev.type, (world // shard_group, shard_group),
+                                                mesh_dim_names=("replicate", "shard"))
         for block in model.h:
             fully_shard(block, reshard_after_forward=stage, mesh=mesh)
         fully_shard(model, reshard_after_forward=stage, mesh=mesh)
@@ -181,25 +195,31 @@ def run_rank(impl: str, model_name: str, steps: int, warmup: int, shard_group=No
 
     times, losses = [], []
     for step in range(1, steps + 1):
-        x, y, _ = rank_batch(tokens, step, MICRO_BATCH, world, rank, SEQ, SEED)
+        x, y = (t.to(dev) for t in rank_batch(tokens, step, MICRO_BATCH, world, rank, SEQ, SEED)[:2])
         dist.barrier()
+        sync()
         t0 = time.perf_counter()
         loss = train_step(x, y)
+        sync()
         times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
     dist.barrier()
-    final = torch.tensor([losses[-1]], dtype=torch.float64)
+    final = torch.tensor([losses[-1]], dtype=torch.float64, device=dev)
     dist.all_reduce(final)
     out = {"rank": rank, "times": times, "final_loss": float(final) / world, "peak_rss_bytes": _peak_rss_bytes(),
            "n_params": n_params}
+    if dev.type == "cuda":
+        out["peak_device_bytes"] = torch.cuda.max_memory_allocated()
     if probe is not None:
-        out["probe"] = probe(family, engine, train_step, *rank_batch(tokens, steps + 1, MICRO_BATCH, world, rank, SEQ, SEED)[:2])
+        x, y = (t.to(dev) for t in rank_batch(tokens, steps + 1, MICRO_BATCH, world, rank, SEQ, SEED)[:2])
+        out["probe"] = probe(family, engine, train_step, x, y)
     return out
 
 
 def run_impl(impl: str, model_name: str, steps: int, warmup: int, world: int = WORLD, shard_group=None,
-             probe=None, checkpointing: str = "none") -> dict:
-    """One run of one implementation in a fresh world of `world` ranks (see run_rank for the rest)."""
+             probe=None, checkpointing: str = "none", device: str = "cpu") -> dict:
+    """One run of one implementation in a fresh world of `world` ranks (see run_rank for the rest); on cuda,
+    NCCL's."""
     from zerofunc.launch import RankError, spawn
     family, _, _ = IMPLS[impl]
     row = {"status": "ok"}
@@ -208,7 +228,8 @@ def run_impl(impl: str, model_name: str, steps: int, warmup: int, world: int = W
         return {"status": "not installed"}
     t0 = time.perf_counter()
     try:
-        out = spawn(run_rank, world, impl, model_name, steps, warmup, shard_group, probe, checkpointing)
+        out = spawn(run_rank, world, impl, model_name, steps, warmup, shard_group, probe, checkpointing, device,
+                    backend="nccl" if device == "cuda" else "gloo")
     except RankError as e:
         msg = str(e)
         status = ("not installed" if "ModuleNotFoundError" in msg or "ImportError" in msg
@@ -217,6 +238,8 @@ def run_impl(impl: str, model_name: str, steps: int, warmup: int, world: int = W
     row["wall_s"] = time.perf_counter() - t0
     row["step_time_s"] = statistics.median(out[0]["times"][warmup:])
     row["peak_rss_bytes"] = [r["peak_rss_bytes"] for r in out]
+    if "peak_device_bytes" in out[0]:
+        row["peak_device_bytes"] = [r["peak_device_bytes"] for r in out]
     row["final_loss"] = out[0]["final_loss"]
     row["n_params"] = out[0]["n_params"]
     return row | ({"probe": [r["probe"] for r in out]} if probe is not None else {})
@@ -234,7 +257,8 @@ def summarize(impl: str, runs: list[dict]) -> dict:
     losses = {r["final_loss"] for r in runs}
     row.update(step_time_s=statistics.median(times), step_time_spread_s=(min(times), max(times)),
                step_times_s=times, n_params=runs[0]["n_params"], final_loss=runs[0]["final_loss"],
-               peak_rss_bytes=[int(statistics.median(per_rank)) for per_rank in zip(*(r["peak_rss_bytes"] for r in runs))])
+               **{key: [int(statistics.median(per_rank)) for per_rank in zip(*(r[key] for r in runs))]
+                  for key in ("peak_rss_bytes", "peak_device_bytes") if key in runs[0]})
     if len(losses) > 1:
         row["status"] = f"failed: the loss differs between runs ({sorted(losses)})"
     return row
@@ -244,29 +268,35 @@ def _fmt_mib(b) -> str:
     return "-" if b is None else f"{b / 2**20:.0f}"
 
 
-def print_table(rows: list[dict], model_name: str, steps: int, warmup: int) -> None:
+def print_table(rows: list[dict], model_name: str, steps: int, warmup: int, device: str = "cpu") -> None:
     zf = {r["stage"]: r for r in rows if IMPLS[r["impl"]][0] == "zerofunc" and r["status"] == "ok"}  # the eager step
     n = next((r["n_params"] for r in rows if r.get("n_params")), None)
     runs = max(r["runs"] for r in rows)
-    print(f"model {model_name} ({n:,} parameters), {WORLD} gloo ranks, seq {SEQ}, micro-batch {MICRO_BATCH}/rank, "
+    # memory: each rank's peak resident memory on a CPU; on a GPU, the allocator's peak
+    key, label = ("peak_device_bytes", "gpu") if device == "cuda" else ("peak_rss_bytes", "rss")
+    world = next((len(r[key]) for r in rows if r.get(key)), WORLD)
+    ranks = f"{world} gloo ranks" if device == "cpu" else f"{world} NCCL rank{'s' * (world > 1)} on the GPU"
+    print(f"model {model_name} ({n:,} parameters), {ranks}, seq {SEQ}, micro-batch {MICRO_BATCH}/rank, "
           f"fp32, {steps} steps, median over steps {warmup + 1}-{steps}; median of {runs} interleaved runs"
           if n else f"model {model_name}")
-    head = (f"{'impl':<22}{'stage':>6}{'step s':>9}{'min-max s':>14}{'x zf':>7}{'rss0 MiB':>10}{'rss1 MiB':>10}"
-            f"{'rss x zf':>9}{'loss@K':>12}{'dloss rel':>11}  status")
+    head = (f"{'impl':<22}{'stage':>6}{'step s':>9}{'min-max s':>14}{'x zf':>7}"
+            + "".join(f"{f'{label}{i} MiB':>10}" for i in range(world))
+            + f"{f'{label} x zf':>9}{'loss@K':>12}{'dloss rel':>11}  status")
     print(head)
     print("-" * len(head))
     for r in rows:
         ref = zf.get(r["stage"])
         if r["status"] != "ok":
-            print(f"{r['impl']:<22}{r['stage']:>6}{'-':>9}{'-':>14}{'-':>7}{'-':>10}{'-':>10}{'-':>9}{'-':>12}{'-':>11}"
-                  f"  {r['status']}")
+            print(f"{r['impl']:<22}{r['stage']:>6}{'-':>9}{'-':>14}{'-':>7}" + f"{'-':>10}" * world
+                  + f"{'-':>9}{'-':>12}{'-':>11}  {r['status']}")
             continue
         tr = f"{r['step_time_s'] / ref['step_time_s']:.2f}" if ref else "-"
-        mr = f"{max(r['peak_rss_bytes']) / max(ref['peak_rss_bytes']):.2f}" if ref else "-"
+        mr = f"{max(r[key]) / max(ref[key]):.2f}" if ref else "-"
         dl = f"{abs(r['final_loss'] - ref['final_loss']) / abs(ref['final_loss']):.1e}" if ref else "-"
-        rss, (lo, hi) = r["peak_rss_bytes"], r["step_time_spread_s"]
+        lo, hi = r["step_time_spread_s"]
         print(f"{r['impl']:<22}{r['stage']:>6}{r['step_time_s']:>9.3f}{f'{lo:.3f}-{hi:.3f}':>14}{tr:>7}"
-              f"{_fmt_mib(rss[0]):>10}{_fmt_mib(rss[1]):>10}{mr:>9}{r['final_loss']:>12.6f}{dl:>11}  ok")
+              + "".join(f"{_fmt_mib(b):>10}" for b in r[key])
+              + f"{mr:>9}{r['final_loss']:>12.6f}{dl:>11}  ok")
     if 0 in zf and 3 in zf:
         print(f"zerofunc stage 3 / stage 0 step time: {zf[3]['step_time_s'] / zf[0]['step_time_s']:.2f}")
 
@@ -279,7 +309,11 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="R: runs per implementation, interleaved (default 3)")
     ap.add_argument("--impl", nargs="+", choices=list(IMPLS), help="run only these (default: all)")
     ap.add_argument("--json", action="store_true", help="also print the rows as a JSON list")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: each implementation on one GPU, one NCCL rank (default: 2 gloo ranks on the CPU)")
     args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA GPU is available")
     _, _, k, w = MODELS[args.model]
     steps = args.steps if args.steps is not None else k
     warmup = args.warmup if args.warmup is not None else w
@@ -295,18 +329,19 @@ def main(argv=None) -> int:
         for impl in impls:
             if runs[impl] and runs[impl][-1]["status"] != "ok":
                 continue  # not installed, or failed: once is enough
-            run = run_impl(impl, args.model, steps, warmup)
+            run = run_impl(impl, args.model, steps, warmup, world=WORLD if args.device == "cpu" else 1,
+                           device=args.device)
             print(f"# run {r + 1}/{args.repeat} {impl}: {run['status']}"
                   + (f" ({run['wall_s']:.1f} s, step {run['step_time_s']:.3f} s)" if "wall_s" in run else ""),
                   file=sys.stderr, flush=True)
             runs[impl].append(run)
     rows = [summarize(impl, runs[impl]) for impl in impls]
-    print_table(rows, args.model, steps, warmup)
+    print_table(rows, args.model, steps, warmup, args.device)
     for r in rows:
         if r["status"] != "ok" and "error" in r:
             print(f"\n{r['impl']} {r['status']}", file=sys.stderr)
     if args.json:
-        keep = ("impl", "stage", "step_time_s", "step_times_s", "peak_rss_bytes", "final_loss")
+        keep = ("impl", "stage", "step_time_s", "step_times_s", "peak_rss_bytes", "peak_device_bytes", "final_loss")
         print(json.dumps([{k: r[k] for k in keep if k in r} | ({"status": r["status"]} if r["status"] != "ok" else {})
                           for r in rows], indent=1))
     return 0 if all(r["status"] in ("ok", "not installed") for r in rows) else 1
