@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zerofunc.lm_head import IGNORE_INDEX, LinearCrossEntropy, chunk_rows, tied_embedding
+from zerofunc.lm_head import (COLUMN_ALIGNMENT, IGNORE_INDEX, LinearCrossEntropy, chunk_columns, chunk_count,
+                              chunk_rows, tied_embedding)
 
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True)
 
@@ -93,6 +94,18 @@ def test_recomputing_the_head_is_bit_for_bit_keeping_it(head):
 def test_the_vocabulary_sets_the_chunk_count(tokens, vocab, hidden, chunks):
     rows = chunk_rows(tokens, vocab, hidden)
     assert -(-tokens // rows) == chunks
+
+
+@pytest.mark.parametrize("vocab,hidden", [(50304, 768), (50257, 768), (128256, 4096), (32000, 512), (1000, 16),
+                                          (256, 640), (100, 4), (10, 4)])
+def test_the_compiled_head_cuts_the_vocabulary_into_aligned_chunks(vocab, hidden):
+    """Every chunk of the compiled head but the last is a multiple of 64 entries (gpt2-small cut evenly would be
+    10,061: tests/plants.py, compiled_head_chunks_unaligned), no chunk is empty, and there are no more chunks
+    than the eager head cuts the tokens into."""
+    cols = chunk_columns(vocab, hidden)
+    sizes = [min(cols, vocab - first) for first in range(0, vocab, cols)]
+    assert all(size % COLUMN_ALIGNMENT == 0 for size in sizes[:-1]), sizes
+    assert min(sizes) > 0 and len(sizes) <= chunk_count(vocab, hidden), sizes
 
 
 @SETTINGS

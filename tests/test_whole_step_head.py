@@ -20,7 +20,7 @@ from tests.bare import OPTIM, in_world
 from zerofunc.models import GPTConfig
 from zerofunc.models.llama import LlamaConfig
 
-# a vocabulary 62 times the width: 4 chunks (zerofunc.lm_head.chunk_count) of 250 entries, 22 tokens
+# a vocabulary 62 times the width: 4 chunks (zerofunc.lm_head.chunk_count), of 256 entries but the last, 22 tokens
 WIDE = GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=1000, block_size=16)
 TOKENS = 2 * 11
 

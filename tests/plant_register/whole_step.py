@@ -169,6 +169,12 @@ PLANTS: list[Plant] = [
           "the traced step's head computes every token's logits over the whole vocabulary at once (Llama-3-8B at "
           "8,192 tokens: 4.2 GB of fp32), where the eager head and the plan take one chunk at a time", "issue 31",
           ("tests/test_whole_step_head.py",)),
+    Plant("compiled_head_chunks_unaligned", "zerofunc/lm_head.py",
+          "    return min(vocab, math.ceil(cols / COLUMN_ALIGNMENT) * COLUMN_ALIGNMENT)",
+          "    return min(vocab, cols)",
+          "the compiled head cuts the vocabulary evenly: gpt2-small's chunks are 10,061 entries, whose logits rows "
+          "(20,122 bytes in bf16) a GPU's matmul writes and reads unaligned", "issue 31 note",
+          ("tests/test_lm_head.py::test_the_compiled_head_cuts_the_vocabulary_into_aligned_chunks",)),
     Plant("compiled_head_cuts_the_tokens", "zerofunc/lm_head.py",
           "            for first, w in zip(range(0, weight.shape[0], cols), weight.split(cols)):\n"
           "                lse, target = (checkpoint(_vocabulary_chunk, h, w, t - first, use_reentrant=False,\n"
