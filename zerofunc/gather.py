@@ -149,6 +149,11 @@ class UnitGathering:
         """Autograd's pack/unpack hooks that gather a released unit when backward unpacks one of its weights."""
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
+    # Called by autograd's C++ engine, also from within a compiled block's run, where dynamo would take each
+    # hook for a frame to compile: once per saved tensor's dtype and shape, to its recompile limit (8; the GPU
+    # runs' compiled checks hit it). A dict lookup gains nothing compiled; torch's checkpoint hook is kept
+    # from dynamo the same way (pytorch/pytorch#178330).
+    @torch.compiler.disable
     def _pack(self, t: torch.Tensor):
         if t._base is not None:
             unit = self._by_buffer.get(id(t._base))
@@ -158,6 +163,7 @@ class UnitGathering:
             unit = None
         return t if unit is None else _SavedUnitWeight(unit, t)
 
+    @torch.compiler.disable
     def _unpack(self, saved):
         if isinstance(saved, _SavedUnitWeight):
             self.regather(saved.unit)
