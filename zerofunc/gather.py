@@ -52,6 +52,7 @@ class UnitGathering:
         self.stage, self.comm, self.overlap, self.memory = stage, comm, overlap, memory
         self.secondary = secondary if stage.shard_params else None  # hpZ's group: a node inside the shard group
         self.units = units
+        self._hooks = (self._pack, self._unpack)  # autograd's saved-tensor hooks (keep_hooks_from_dynamo)
         self.blocks = [u for u in units if u.name != ""]
         self._block_index = {id(u): i for i, u in enumerate(self.blocks)}
         # a weight's view: its base is the unit's leaf, or a frozen part's buffer
@@ -147,13 +148,16 @@ class UnitGathering:
 
     def saved_tensors_hooks(self):
         """Autograd's pack/unpack hooks that gather a released unit when backward unpacks one of its weights."""
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        return torch.autograd.graph.saved_tensors_hooks(*self._hooks)
 
-    # Called by autograd's C++ engine, also from within a compiled block's run, where dynamo would take each
-    # hook for a frame to compile: once per saved tensor's dtype and shape, to its recompile limit (8; the GPU
-    # runs' compiled checks hit it). A dict lookup gains nothing compiled; torch's checkpoint hook is kept
-    # from dynamo the same way (pytorch/pytorch#178330).
-    @torch.compiler.disable
+    def keep_hooks_from_dynamo(self) -> None:
+        """For compiled blocks. Autograd's C++ engine calls the hooks also from within a compiled block's run,
+        where dynamo would take each for a frame to compile: once per saved tensor's dtype and shape, to its
+        recompile limit (8; the GPU runs' compiled checks hit it). A dict lookup gains nothing compiled; torch's
+        checkpoint hook is kept from dynamo the same way (pytorch/pytorch#178330). Not done for an eager
+        engine: `torch.compiler.disable` loads dynamo, and with it triton (tests/test_aot.py)."""
+        self._hooks = (torch.compiler.disable(self._pack), torch.compiler.disable(self._unpack))
+
     def _pack(self, t: torch.Tensor):
         if t._base is not None:
             unit = self._by_buffer.get(id(t._base))
@@ -163,7 +167,6 @@ class UnitGathering:
             unit = None
         return t if unit is None else _SavedUnitWeight(unit, t)
 
-    @torch.compiler.disable
     def _unpack(self, saved):
         if isinstance(saved, _SavedUnitWeight):
             self.regather(saved.unit)
