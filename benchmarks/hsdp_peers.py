@@ -15,7 +15,8 @@ Then the collectives of one step, counted on an extra step K+1 of the last run (
 times are taken): by op and group from zerofunc's ledger (`engine.comm.ledger`, the ops actually issued;
 the token count's all-reduce, tagged "tokens", would be listed apart: this loop, as peers.py's, calls
 engine(x, y) and issues none), and for FSDP2 from wrappers around the torch.distributed calls it makes
-(group named by its ranks). Both are checked against torch's CommDebugMode (counts by op only).
+(group named by its ranks). Both are checked against the c10d ops the step dispatches (counts by op only; torch's
+CommDebugMode counts the same, but its module tracker's backward hooks stop zerofunc's step, 2026-11-28).
 
 The default model "tiny4" is gpt2-tiny with 4 blocks (gpt2-tiny itself has 2: model "tiny").
 """
@@ -32,6 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # peers.py, next to this file
 
 import peers  # noqa: E402  (puts the repo root on sys.path too)
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 WORLD, SHARD = 4, 2
 MODELS = {  # name: ((model_config base, overrides), default steps, default warm-up)
@@ -61,10 +63,23 @@ def group_name(ranks: list[int], world: int) -> str:
     return "shard" if consecutive and len(ranks) == SHARD else "replicas" if not consecutive else f"ranks{ranks}"
 
 
+class _DispatchedCollectives(TorchDispatchMode):
+    """The c10d ops dispatched, by op (as CommDebugMode counts them, without its module tracker: that registers
+    backward hooks on every module, whose nodes the tape of zerofunc's step refuses to join across blocks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in ("c10d", "_c10d_functional"):
+            self.counts[op_name(func.__name__.split(".")[0])] += 1
+        return func(*args, **(kwargs or {}))
+
+
 def count_collectives(family: str, engine, train_step, x, y) -> dict:
     """The collectives of one training step on this rank (a probe for peers.run_rank)."""
     import torch.distributed as dist
-    from torch.distributed.tensor.debug import CommDebugMode
     world, calls = dist.get_world_size(), collections.Counter()
     saved = {name: getattr(dist, name) for name in DIST_FNS if hasattr(dist, name)}
 
@@ -79,15 +94,12 @@ def count_collectives(family: str, engine, train_step, x, y) -> dict:
         for name, fn in saved.items():
             setattr(dist, name, wrap(name, fn))
     try:
-        with CommDebugMode() as mode:
+        with _DispatchedCollectives() as mode:
             train_step(x, y)
     finally:
         for name, fn in saved.items():
             setattr(dist, name, fn)
-    debug = collections.Counter()
-    for op, n in mode.get_comm_counts().items():
-        debug[op_name(op)] += n
-    out = {"debug_mode": dict(debug)}
+    out = {"debug_mode": dict(mode.counts)}
     if family == "zerofunc":
         entries = engine.comm.ledger.entries[start:]
         out["by_group"] = dict(collections.Counter(f"{e.op}@{e.group}" for e in entries if e.tag != "tokens"))
@@ -137,8 +149,8 @@ def print_tables(rows: list[dict], model_name: str, steps: int, warmup: int) -> 
     cols = sorted({key for r in ok for key in r["counts"]["by_group"]}, key=lambda k: (OPS.index(k.split("@")[0])
                   if k.split("@")[0] in OPS else len(OPS), k))
     print(f"\ncollectives of one step (step {steps + 1} of the last run, rank 0), op@group: from the ledger (zerofunc, "
-          f"ops as issued) or the torch.distributed calls (FSDP2); CommDebugMode counts by op (ag rs ar bc)")
-    head = f"{'impl':<21}" + "".join(f"{c:>{max(len(c), 4) + 2}}" for c in cols) + f"{'CommDebugMode':>20}"
+          f"ops as issued) or the torch.distributed calls (FSDP2); the c10d ops dispatched, by op (ag rs ar bc)")
+    head = f"{'impl':<21}" + "".join(f"{c:>{max(len(c), 4) + 2}}" for c in cols) + f"{'dispatched':>20}"
     print(head)
     print("-" * len(head))
     for r in ok:

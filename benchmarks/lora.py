@@ -27,8 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `train` and `ben
 
 import torch
 
+from benchmarks.peer_steps import torch_step  # noqa: E402
 from benchmarks.peers import (MICRO_BATCH, MODELS, OPT, SEED, SEQ, WORLD, _fmt_mib, _peak_rss_bytes,  # noqa: E402
-                              build_model, torch_step)
+                              build_model)
 
 IMPLS = {  # name -> (family, stage or FSDP2's reshard_after_forward, stage it compares with, LoRA)
     "zerofunc-full-0": ("zerofunc", 0, 0, False),

@@ -45,6 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `train` lives at
 
 import torch
 
+from benchmarks.peer_steps import training  # noqa: E402
+
 WORLD = 2
 SEQ = 128
 MICRO_BATCH = 4
@@ -78,17 +80,6 @@ IMPLS = {
     "fsdp2-reshard-true": ("fsdp2", True, 3),
 }
 REQUIRES = {"deepspeed": "deepspeed"}  # family -> importable module it needs
-
-
-def torch_step(module, opt):
-    """One plain PyTorch training step (DDP, ZeroRedundancyOptimizer, FSDP2 all train this way)."""
-    def step(x, y):
-        loss = module(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-    return step
 
 
 def build_model(model_name: str):
@@ -130,69 +121,8 @@ def run_rank(impl: str, model_name: str, steps: int, warmup: int, shard_group=No
         torch.cuda.set_device(0)
     model = build_model(model_name)
     n_params = sum(p.numel() for p in model.parameters())
-    engine = model  # what a probe inspects: zerofunc's or DeepSpeed's engine, else the module
-
-    if family in ("zerofunc", "zerofunc-whole"):
-        import zerofunc
-        from zerofunc.step import train_step as whole_step
-        engine = zerofunc.initialize(model, {
-            "train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1,
-            "zero_optimization": {"stage": stage, **({"shard_group_size": shard_group} if shard_group else {})},
-            "optimizer": {"type": "AdamW", "params": {**OPT, "betas": list(OPT["betas"])}},
-            **({"activation_checkpointing": {"mode": checkpointing}} if checkpointing != "none" else {}),
-            # eager as the peers are (on CUDA zerofunc would compile its blocks by default), or compiled whole
-            "compile": "whole" if family == "zerofunc-whole" else False}, device=dev)
-
-        def train_step(x, y):
-            if engine.whole is not None:  # the first step compiles: a warm-up step
-                return whole_step(engine, [(x, y)])
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            return loss
-    elif checkpointing != "none":
-        raise ValueError(f"{impl}: activation checkpointing is set for zerofunc's rows only")
-    elif family == "deepspeed":
-        os.environ.setdefault("DS_ACCELERATOR", dev.type)
-        model.to(dev)
-        os.environ.setdefault("LOCAL_RANK", str(rank))
-        import deepspeed
-        zero = {"stage": stage}
-        if stage == 3:
-            zero["memory_efficient_linear"] = False  # else it swaps F.linear process-wide (different rounding)
-        config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1,
-                  "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 unless told otherwise
-                  "zero_optimization": zero, "zero_allow_untested_optimizer": True,
-                  "steps_per_print": 10**9, "wall_clock_breakdown": False}
-        opt = torch.optim.AdamW(model.parameters(), **OPT)
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
-
-        def train_step(x, y):
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            return loss
-    elif family in ("ddp", "zro"):
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        ddp = DDP(model.to(dev), device_ids=[0] if dev.type == "cuda" else None)
-        if family == "zro":
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-            opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, **OPT)
-        else:
-            opt = torch.optim.AdamW(ddp.parameters(), **OPT)
-        train_step = torch_step(ddp, opt)
-    elif family == "fsdp2":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        model.to(dev)
-        mesh = shard_group and init_device_mesh(dev.type, (world // shard_group, shard_group),
-                                                mesh_dim_names=("replicate", "shard"))
-        for block in model.h:
-            fully_shard(block, reshard_after_forward=stage, mesh=mesh)
-        fully_shard(model, reshard_after_forward=stage, mesh=mesh)
-        train_step = torch_step(model, torch.optim.AdamW(model.parameters(), **OPT))
-    else:
-        raise ValueError(f"unknown implementation {impl}")
+    # what a probe inspects: zerofunc's or DeepSpeed's engine, else the module
+    engine, train_step = training(family, stage, model, dev, MICRO_BATCH, OPT, shard_group, checkpointing)
 
     times, losses = [], []
     for step in range(1, steps + 1):
