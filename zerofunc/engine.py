@@ -149,7 +149,7 @@ class ZeroEngine(BlockHooks, WholeState):
         # a compiled backward saves its weights past the pack hook: stage 3 gathers such a block again
         # before its segment is differentiated
         self._regather_before_backward = compile and stage.shard_params
-        if compile and stage.shard_params:
+        if self._regather_before_backward:  # stage 3's blocks compiled: their runs call the pack hook
             self.gathering.keep_hooks_from_dynamo()
         # what the engine's forward sets in the caller's modules while it runs (zerofunc/binding.py)
         self._forwards, self._pre_hooks, self._post_hooks = {}, {}, {}
