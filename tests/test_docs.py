@@ -25,7 +25,7 @@ TRAIN_COMMAND = ('python3 -m venv .venv && . .venv/bin/activate && pip install -
                  '-e ".[test]" && python -m train')
 TEST_COMMAND = ('python3 -m venv .venv && . .venv/bin/activate && pip install -c constraints.txt '
                 '-e ".[test]" && python -m pytest -q')
-README_MAX_LINES = 160
+README_MAX_LINES = 120
 
 FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
 HEADING = re.compile(r"^ {0,3}(#{1,6})\s+(.*?)\s*#*\s*$")
