@@ -253,7 +253,9 @@ def main(argv=None) -> int:
     if not 1 <= args.repeat <= 100:
         ap.error(f"need 1 <= --repeat <= 100, got {args.repeat}")
     impls = args.impl or list(IMPLS)
-    if any(IMPLS[i][0] != "zerofunc" for i in impls):  # ratios need the zerofunc rows
+    # a peer's ratios need zerofunc's eager rows: then every row, in IMPLS' order; zerofunc's rows alone run as
+    # asked, so that a stage's eager and compiled runs can follow each other
+    if any(IMPLS[i][0] not in ("zerofunc", "zerofunc-whole") for i in impls):
         impls = [i for i in IMPLS if i in impls or IMPLS[i][0] == "zerofunc"]
     runs: dict[str, list[dict]] = {impl: [] for impl in impls}
     for r in range(args.repeat):
