@@ -203,3 +203,31 @@ def test_a_result_pickle_refuses_is_named_not_taken_for_a_death():
     assert re.match(r"rank [01]: its result \(lock\) cannot be sent to the launcher: TypeError: cannot pickle",
                     str(e.value)), str(e.value)
     assert e.value.bad_input and e.value.detail is None
+
+
+BAR_WORLD = '''
+from zerofunc import launch
+
+def rank_with_a_bar():
+    from tqdm import tqdm
+    with tqdm(total=1, disable=True):  # as torch.fx's interpreter makes one while torch.compile traces
+        pass
+    return 0
+
+if __name__ == "__main__":
+    print(launch.spawn(rank_with_a_bar, 2))
+'''
+
+
+def test_a_rank_that_made_a_progress_bar_leaves_no_semaphore_behind(tmp_path):
+    """tqdm's default lock is a multiprocessing lock, a named semaphore, made by a process's first bar: in
+    every rank compiled whole, where torch.fx's interpreter makes a disabled bar. A rank ends with
+    `os._exit` (zerofunc/launch.py), which never unlinks it, and multiprocessing's resource tracker then
+    printed "There appear to be 2 leaked semaphore objects" at the end of `python -m train --compile whole`.
+    Each rank gives tqdm a thread lock first (`no_semaphores_left_behind`)."""
+    script = tmp_path / "world.py"
+    script.write_text(BAR_WORLD)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env=os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert done.returncode == 0 and done.stdout.strip() == "[0, 0]", done.stdout + done.stderr
+    assert "leaked semaphore" not in done.stderr, done.stderr

@@ -72,8 +72,19 @@ def init_torchrun(backend: str, comm_timeout: float = DEFAULT_COMM_TIMEOUT_S) ->
     _comm_timeout = comm_timeout
     catch_stop_signals()
     keep_freed_memory()
+    no_semaphores_left_behind()
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=comm_timeout))
+
+
+def no_semaphores_left_behind() -> None:
+    """Give tqdm a thread lock in this rank, before anything makes a bar. Its default is a multiprocessing lock,
+    a named semaphore, made by the first bar of the process (torch.fx's interpreter makes a disabled one while
+    torch.compile traces an autograd Function: every rank compiled whole), and a rank that ends with
+    `os._exit` never unlinks it: multiprocessing's resource tracker then warned of a leaked semaphore per rank
+    as the run ended. A rank's bars share no lock with another process's in any case."""
+    from tqdm import tqdm
+    tqdm.set_lock(threading.RLock())
 
 
 # ---- what a rank tells: its step, a stop request, a failure in one line -----------------------------
@@ -184,6 +195,7 @@ def _rank_main(rank: int, nproc: int, store_addr: tuple[str, int], backend: str,
     _progress, _comm_timeout = progress, comm_timeout
     catch_stop_signals()
     keep_freed_memory()  # a step's buffers, freed, kept for the next step (zerofunc/host_memory.py)
+    no_semaphores_left_behind()
     code = 0
     try:
         # the launcher's environment as it is now: a fork server keeps the one it started with (cwd and

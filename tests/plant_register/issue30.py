@@ -111,6 +111,12 @@ PLANTS: list[Plant] = [
           "ranks forked from the fork server see the environment of the moment it started, not the launcher's now",
           "issue 30 (suite time: forkserver)",
           ("tests/test_faults.py", "-k", "killed_rank or sigterm")),
+    Plant("ranks_leave_tqdm_s_semaphore_behind", "zerofunc/launch.py",
+          "    keep_freed_memory()  # a step's buffers, freed, kept for the next step (zerofunc/host_memory.py)\n"
+          "    no_semaphores_left_behind()\n",
+          "    keep_freed_memory()  # a step's buffers, freed, kept for the next step (zerofunc/host_memory.py)\n",
+          "every run compiled whole ends with the resource tracker's warning of a leaked semaphore per rank",
+          "issue 31 (noticed)", ("tests/test_launch.py::test_a_rank_that_made_a_progress_bar_leaves_no_semaphore_behind",)),
     Plant("every_rank_hashes_every_file", "zerofunc/pretrained.py",
           "            check_file(self.ckpt, self.manifest, f)",
           '            [check_file(self.ckpt, self.manifest, g) for g in self.manifest["files"]]',
