@@ -82,8 +82,12 @@ def no_semaphores_left_behind() -> None:
     a named semaphore, made by the first bar of the process (torch.fx's interpreter makes a disabled one while
     torch.compile traces an autograd Function: every rank compiled whole), and a rank that ends with
     `os._exit` never unlinks it: multiprocessing's resource tracker then warned of a leaked semaphore per rank
-    as the run ended. A rank's bars share no lock with another process's in any case."""
-    from tqdm import tqdm
+    as the run ended. A rank's bars share no lock with another process's in any case. Without tqdm (a GPU
+    image's own packages, the checkout on PYTHONPATH) torch.fx takes torch.hub's stand-in, which makes none."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
     tqdm.set_lock(threading.RLock())
 
 
