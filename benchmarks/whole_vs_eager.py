@@ -1,7 +1,7 @@
 """The step compiled whole against the eager step, their steps interleaved in one world, so that both run in
 the same seconds of the host.
 
-    python benchmarks/whole_vs_eager.py [--model 30m] [--stages 0 1 2 3] [--pairs 20] [--json]
+    python benchmarks/whole_vs_eager.py [--model 30m] [--stages 0 1 2 3] [--pairs 20] [--control] [--json]
 
 benchmarks/peers.py runs each implementation in its own world, one after another: on this 2-core host the
 same row moves by up to 10% from one run to the next, minutes apart (docs/BENCHMARKS.md), more than what
@@ -12,7 +12,10 @@ alternating from round to round, each step behind a barrier and timed on rank 0 
 ratio is its whole step's time over its eager step's; the table gives the medians, the geometric mean of
 the rounds' ratios with a 95% interval (Student's t over the logs), and the two engines' losses after
 the last round, averaged over the ranks: they see the same batches, and agree within the 1e-4 (relative)
-the peers are held to (fp32 reordered by the compiled kernels)."""
+the peers are held to (fp32 reordered by the compiled kernels). `--control` makes the second engine eager
+as well: what the method reads between two equal steps. It read up to 5% (30m) and 7% (120m) from 1, beyond
+one run's interval (docs/BENCHMARKS.md, issue 31's fifteenth step): each world has an offset of its own, so
+compare runs of several worlds, and the control's spread."""
 from __future__ import annotations
 
 import argparse
@@ -37,8 +40,9 @@ def t95(df: int) -> float:
     return T95[max(k for k in T95 if k <= df)] if df >= 1 else math.nan
 
 
-def run_rank(model_name: str, stage: int, warmup: int, pairs: int) -> dict:
-    """One rank: both engines, `warmup` steps each, then `pairs` rounds of one step each; rank 0's times."""
+def run_rank(model_name: str, stage: int, warmup: int, pairs: int, control: bool = False) -> dict:
+    """One rank: both engines, `warmup` steps each, then `pairs` rounds of one step each; rank 0's times.
+    `control`: the second engine eager too (see --control)."""
     import torch
     import torch.distributed as dist
     from train.data import load_tokens, rank_batch
@@ -48,7 +52,7 @@ def run_rank(model_name: str, stage: int, warmup: int, pairs: int) -> dict:
     tokens = load_tokens(None, peers.SEQ)
     dev = torch.device("cpu")
     steps = {mode: training(family, stage, peers.build_model(model_name), dev, peers.MICRO_BATCH, peers.OPT)[1]
-             for mode, family in (("eager", "zerofunc"), ("whole", "zerofunc-whole"))}
+             for mode, family in (("eager", "zerofunc"), ("whole", "zerofunc" if control else "zerofunc-whole"))}
     times: dict[str, list[float]] = {"eager": [], "whole": []}
     losses: dict[str, float] = {}
     for i in range(warmup + pairs):
@@ -85,18 +89,21 @@ def main(argv=None) -> int:
     ap.add_argument("--pairs", type=int, default=20, help="rounds of one step of each (default 20)")
     ap.add_argument("--warmup", type=int, default=3, help="steps of each before the rounds (the first compiles)")
     ap.add_argument("--json", action="store_true", help="also print the rows, with every step's time, as JSON")
+    ap.add_argument("--control", action="store_true",
+                    help="the second engine eager too: what the method reads between two equal steps (about 1)")
     args = ap.parse_args(argv)
     if args.pairs < 2 or args.warmup < 1:
         ap.error("need --pairs >= 2 and --warmup >= 1")
     from zerofunc.launch import RankError, spawn
     print(f"model {args.model}, {peers.WORLD} gloo ranks, seq {peers.SEQ}, micro-batch {peers.MICRO_BATCH}/rank, "
-          f"fp32; {args.pairs} rounds of one step each, interleaved, after {args.warmup} of each; rank 0's seconds")
+          f"fp32; {args.pairs} rounds of one step each, interleaved, after {args.warmup} of each; rank 0's seconds"
+          + ("; control: the 'whole' engine is a second eager one" if args.control else ""))
     print(f"{'stage':>5}  {'eager s':>8}  {'whole s':>8}  {'whole / eager':>13}  {'95% interval':>13}  "
           f"{'loss eager':>10}  {'loss whole':>10}")
     rows = []
     for stage in args.stages:
         try:
-            out = spawn(run_rank, peers.WORLD, args.model, stage, args.warmup, args.pairs)[0]
+            out = spawn(run_rank, peers.WORLD, args.model, stage, args.warmup, args.pairs, args.control)[0]
         except RankError as e:
             print(f"stage {stage}: {e}", file=sys.stderr)
             return 1
