@@ -82,13 +82,14 @@ STOPPING_WORLD = '''
 import os, sys, time
 from pathlib import Path
 from zerofunc import launch
+from zerofunc.stop_signals import stop_signal
 
 def busy_rank(ready):
     Path(ready, os.environ["RANK"]).write_text(f"{os.getpid()} {os.getppid()}\\n")
-    while launch.stop_signal() is None:
+    while stop_signal() is None:
         time.sleep(0.05)
     time.sleep(3.0)  # still busy (a compile) well after the signal; then at a step's end it stops
-    return launch.stop_signal()
+    return stop_signal()
 
 if __name__ == "__main__":
     try:
@@ -110,7 +111,7 @@ def test_a_sigterm_to_the_whole_process_group_lets_the_ranks_stop_at_their_step(
     assert out.strip().splitlines()[-1] == "['SIGTERM', 'SIGTERM']", out
 
 
-SLEEPING_WORLD = STOPPING_WORLD.replace("while launch.stop_signal() is None:", "while True:")
+SLEEPING_WORLD = STOPPING_WORLD.replace("while stop_signal() is None:", "while True:")
 
 
 def test_a_launcher_killed_outright_takes_its_ranks_with_it(tmp_path):

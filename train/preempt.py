@@ -20,7 +20,7 @@ import os
 
 import torch.distributed as dist
 
-from zerofunc.launch import stop_signal
+from zerofunc.stop_signals import stop_signal
 
 # torchrun can restart the workers against the same store; each attempt agrees anew
 KEY = f"zerofunc/stop_after/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"

@@ -42,7 +42,7 @@ def _start_server() -> None:
     and exits, while the ranks, which took the SIGTERM as a request to stop at their next step, run on
     without it. On the seventh GPU run a rank in a long compile so outlived its launcher, and held the
     job's output open until the device call's own limit. The ranks set their handlers themselves
-    (launch.catch_stop_signals). Off the main thread no handler can be set: the server then starts
+    (stop_signals.catch_stop_signals). Off the main thread no handler can be set: the server then starts
     with the first rank, as multiprocessing starts it."""
     if threading.current_thread() is not threading.main_thread():
         return

@@ -13,13 +13,8 @@ group's `comm_timeout`) says so without a traceback; so does an exception whose 
 checksum is), and its `RankError` says `bad_input` too. An exception of any other kind is a
 bug, and its `RankError` carries the rank's traceback in `detail`.
 
-Signals: the first SIGINT or SIGTERM, to the launcher or to a rank, only records a stop
-request (`stop_signal`), which the caller acts on at a point of its choosing: the
-launcher forwards it to every rank as SIGTERM. Copies of one request arrive together (a
-terminal's Ctrl-C reaches the launcher and the ranks at once; torchrun forwards the
-signal it gets), so only a signal more than `REPEAT_S` after the first counts as a
-second one, and that one stops at once. A SIGTERM to the launcher's whole process group (GNU timeout,
-a scheduler) reaches the ranks as well, but not the fork server they start from (fork_server.py).
+Signals to stop are requests (zerofunc/stop_signals.py): the launcher forwards the first to every rank
+as SIGTERM, and a second one stops them at once.
 
 Ranks end with `os._exit` right after destroying the group: torch 2.13 with gloo can
 otherwise abort at interpreter exit after all work is done (see DESIGN.md).
@@ -44,8 +39,8 @@ from multiprocessing.reduction import ForkingPickler
 
 from zerofunc.fork_server import LaunchersOutput, Lifeline, server_death, start_method
 from zerofunc.host_memory import keep_freed_memory
+from zerofunc.stop_signals import StopRequests, catch_stop_signals
 
-REPEAT_S = 1.0  # a signal this long after the first is a second request: stop at once
 DEFAULT_COMM_TIMEOUT_S = 300.0
 
 
@@ -91,30 +86,11 @@ def no_semaphores_left_behind() -> None:
     tqdm.set_lock(threading.RLock())
 
 
-# ---- what a rank tells: its step, a stop request, a failure in one line -----------------------------
-
-class StopRequests:
-    """Signals to stop: the first is a request (`arrive` says True), one more at least
-    `REPEAT_S` later a demand to stop at once (KeyboardInterrupt), copies in between nothing."""
-
-    def __init__(self):
-        self.signal: Optional[str] = None
-        self._first = 0.0
-
-    def arrive(self, signum) -> bool:
-        now = time.monotonic()
-        if self.signal is None:
-            self.signal, self._first = signal.Signals(signum).name, now
-            return True
-        if now - self._first > REPEAT_S:
-            raise KeyboardInterrupt
-        return False
-
+# ---- what a rank tells: its step, a failure in one line -------------------------------------------
 
 _progress = None  # the launcher's table of each rank's current step (shared memory); None under torchrun
 _step = 0
 _comm_timeout = DEFAULT_COMM_TIMEOUT_S
-_requests = StopRequests()  # this process's
 
 
 def mark_step(step: int) -> None:
@@ -123,22 +99,6 @@ def mark_step(step: int) -> None:
     _step = step
     if _progress is not None:
         _progress[dist.get_rank()] = step
-
-
-def stop_signal() -> Optional[str]:
-    """The name of the signal that asked this process to stop (SIGTERM, SIGINT), or None."""
-    return _requests.signal
-
-
-def _on_signal(signum, frame) -> None:
-    _requests.arrive(signum)
-
-
-def catch_stop_signals() -> None:
-    """Let SIGINT and SIGTERM record a stop request (see the module's docstring)."""
-    if threading.current_thread() is threading.main_thread():
-        for s in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(s, _on_signal)
 
 
 def is_comm_failure(e: BaseException) -> bool:
@@ -254,7 +214,7 @@ def spawn(fn: Callable[..., Any], nproc: int, *args, backend: str = "gloo", time
 
     `timeout`: seconds for the whole run (None: no limit); `comm_timeout`: seconds any one
     collective may wait before it fails. A first SIGINT or SIGTERM to this process is
-    forwarded to the ranks as SIGTERM; a second one (`REPEAT_S` later) stops them at once.
+    forwarded to the ranks as SIGTERM; a second one (`stop_signals.REPEAT_S` later) stops them at once.
     """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
