@@ -65,11 +65,16 @@ def init_torchrun(backend: str, comm_timeout: float = DEFAULT_COMM_TIMEOUT_S) ->
     """Join the process group torchrun set up through the environment."""
     global _comm_timeout
     _comm_timeout = comm_timeout
-    catch_stop_signals()
-    keep_freed_memory()
-    no_semaphores_left_behind()
+    _set_up_rank_process()
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=comm_timeout))
+
+
+def _set_up_rank_process() -> None:
+    """What every rank's process sets up first, spawned or under torchrun."""
+    catch_stop_signals()
+    keep_freed_memory()  # a step's buffers, freed, kept for the next step (zerofunc/host_memory.py)
+    no_semaphores_left_behind()
 
 
 def no_semaphores_left_behind() -> None:
@@ -157,9 +162,7 @@ def _rank_main(rank: int, nproc: int, store_addr: tuple[str, int], backend: str,
     rank already took the launcher's output and started the thread that ends the rank with its launcher."""
     global _progress, _comm_timeout
     _progress, _comm_timeout = progress, comm_timeout
-    catch_stop_signals()
-    keep_freed_memory()  # a step's buffers, freed, kept for the next step (zerofunc/host_memory.py)
-    no_semaphores_left_behind()
+    _set_up_rank_process()
     code = 0
     try:
         # the launcher's environment as it is now: a fork server keeps the one it started with (cwd and
