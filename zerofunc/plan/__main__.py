@@ -24,8 +24,8 @@ from zerofunc.overlap import Overlap
 from zerofunc.plan import Plan
 from zerofunc.plan.plot import plot
 from zerofunc.plan.report import GiB, as_json, as_table, recommend
-from zerofunc.plan.search import (fewest_ranks, lever_configs, lever_costs, report_stages, shared_workers,
-                                  world_size_candidates)
+from zerofunc.plan.search import fewest_ranks, lever_configs, lever_costs, report_stages, world_size_candidates
+from zerofunc.plan.workers import shared_workers
 from zerofunc.recompute import MODES
 from zerofunc.usage import PROFILES_HELP, ArgumentParser, profiles_flag
 

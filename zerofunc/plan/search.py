@@ -5,10 +5,7 @@ checkpointing x optimizer offload (`lever_configs`); report.py says which is bes
 """
 from __future__ import annotations
 
-import contextlib
-import multiprocessing
 import os
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -16,6 +13,7 @@ import numpy as np
 
 from zerofunc.plan import MAX_MICRO_BATCH, Plan, Simulation, simulate
 from zerofunc.plan.report import StageReport
+from zerofunc.plan.workers import mapper
 
 
 @dataclass(frozen=True)
@@ -117,7 +115,7 @@ def lever_costs(best: StageReport) -> list[tuple[str, StageReport]]:
     if p.offload_optimizer:
         off.append(("optimizer offload", replace(p, offload_optimizer=False)))
     plans = [q for _, q in off]
-    with _mapper(min(len(plans), os.cpu_count() or 1), plans) as run:
+    with mapper(min(len(plans), os.cpu_count() or 1), plans) as run:
         sims = run(simulated, plans)
     return [(name, StageReport(sim, best.capacity, None, host_capacity=best.host_capacity))
             for (name, _), sim in zip(off, sims)]
@@ -130,47 +128,6 @@ def world_size_candidates(max_world_size: int, gpus_per_node: Optional[int] = No
         return powers
     within = [n for n in powers if n < gpus_per_node]
     return within + list(range(gpus_per_node, max_world_size + 1, gpus_per_node))
-
-
-_shared: dict[int, ProcessPoolExecutor] = {}  # by the pid that made it: a forked worker has its parent's dict
-
-
-@contextlib.contextmanager
-def shared_workers(workers: int):
-    """Within: every map over processes in this process uses one pool of `workers` forked processes, not a
-    pool of its own. A process's first simulation costs about a second more than the next ones (torch's lazy
-    imports and registrations), so a command that maps three times (the fewest ranks, the stages, the
-    levers) paid it three times in every worker; with one pool, once. For one command (python -m
-    zerofunc.plan): the workers keep what the process was when they forked."""
-    if workers <= 1 or os.getpid() in _shared:
-        yield
-        return
-    with _forked(workers) as pool:
-        _shared[os.getpid()] = pool
-        try:
-            yield
-        finally:
-            del _shared[os.getpid()]
-
-
-@contextlib.contextmanager
-def _mapper(workers: int, plans: list[Plan]):
-    """A map over `workers` forked processes (the plans are independent): the shared pool where one is open
-    (`shared_workers`), else a pool of its own; or this process's own where one worker or a model callable
-    (which need not pickle) says so."""
-    if workers <= 1 or any(p.foreign for p in plans):
-        yield lambda fn, *args: list(map(fn, *args))
-        return
-    shared = _shared.get(os.getpid())
-    if shared is not None:
-        yield lambda fn, *args: list(shared.map(fn, *args))
-        return
-    with _forked(workers) as pool:
-        yield lambda fn, *args: list(pool.map(fn, *args))
-
-
-def _forked(workers: int) -> ProcessPoolExecutor:
-    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
 
 
 def _probe(plan: Plan) -> Simulation:
@@ -187,7 +144,7 @@ def _first_fitting(candidates: list[int], plan_at, fits, workers: int = 1, last_
         if not fits(simulated(plan_at(candidates[-1]), timing=False)):
             return None
         hi = len(candidates) - 1
-    with _mapper(workers, [plan_at(candidates[0])]) as run:
+    with mapper(workers, [plan_at(candidates[0])]) as run:
         while lo < hi:
             points = sorted({lo + (hi - lo) * (i + 1) // (workers + 1) for i in range(workers)})
             plans = [plan_at(candidates[i]) for i in points]
@@ -305,5 +262,5 @@ def report_stages(plans: list[Plan], capacity: int, timeline: bool = False,
                 [micro_batch_cap] * n, [shard_per_node] * n)
     else:
         work = (report_stage, plans, [capacity] * n, [timeline] * n, [host_capacity] * n, [micro_batch_cap] * n)
-    with _mapper(min(n, os.cpu_count() or 1), plans) as run:
+    with mapper(min(n, os.cpu_count() or 1), plans) as run:
         return run(*work)
