@@ -1,8 +1,9 @@
 """Hugging Face's GPT2LMHeadModel (tied head, its own ModuleList of blocks) and LlamaForCausalLM (grouped-query
 attention, untied head, odd widths) train through zerofunc.initialize exactly like one device. Their labels carry
 ignored positions (-100) that count differently on each rank and micro-step, and one global batch counts none:
-the loss is the global batch's token mean, which reaches their loss through `num_items_in_batch`. Runs where
-transformers is installed (the test extras install it)."""
+the loss is the global batch's token mean, which reaches their loss through `num_items_in_batch`. Seven more
+families, whose blocks and glue differ from these two (tests/hf_families.py), train like one device at stage 3.
+Runs where transformers is installed (the test extras install it)."""
 from __future__ import annotations
 
 import copy
@@ -11,14 +12,20 @@ import pytest
 import torch
 
 from tests.bare import in_world
+from tests.hf_families import LLAMA_LIKE, OTHER_FAMILIES
 from tests.steps import check_steps, ignore_some, record_step
 
 transformers = pytest.importorskip("transformers")
 
 
 def hf_model(family: str, attention: str = "sdpa"):
+    """A small random model of `family`: GPT-2's or Llama's with the `attention` asked, or one of
+    tests/hf_families.py's with its own."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
+    built_elsewhere = {**OTHER_FAMILIES, **LLAMA_LIKE}
+    if family in built_elsewhere:
+        return built_elsewhere[family]()
     if family == "gpt2":
         return GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=3, n_embd=27, vocab_size=53, n_positions=32,
                                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
@@ -79,6 +86,23 @@ def test_hugging_face_models_train_like_one_device(request, family, blocks, rank
     for rank_results in results:
         for stage, units in zip((0, 3), rank_results):  # each step one device's within fp32 rounding
             assert units == ["", f"{blocks}.0", f"{blocks}.1"], f"stage {stage}"
+
+
+def other_families() -> dict:
+    return {(family, checkpointing): hf_four_lines(3, family, checkpointing)
+            for family in OTHER_FAMILIES for checkpointing in ("none", "full")}
+
+
+@pytest.mark.slow
+def test_other_hugging_face_families_train_like_one_device():
+    """Any Hugging Face causal LM, not the two above only: each of OTHER_FAMILIES at stage 3 (each block
+    gathered, released, and its gradient reduce-scattered, around the model's own glue), on 2 gloo ranks in
+    one world, every step one device's (tests/steps.py); and checkpointed, against the model trained without.
+    BLOOM, Falcon and GPT-NeoX hand their layers the cache as `layer_past`, OPT as `cache`: a checkpointed
+    layer must get none whatever its name (zerofunc/recompute.py, `without_cache`)."""
+    for per_rank in in_world(2, other_families):
+        for (family, checkpointing), units in per_rank.items():
+            assert len(units) == 3, f"{family}, checkpointing {checkpointing}: units {units}, not the root and two blocks"
 
 
 @pytest.mark.parametrize("checkpointing", ["full", "selective-op"])

@@ -113,6 +113,15 @@ PLANTS: list[Plant] = [
           "a checkpointed Hugging Face layer keeps the model's key/value cache: run again in backward it finds "
           "its own keys there and attends to them twice, or (selective-op) runs ops its forward did not",
           "issue 33", ("tests/test_hf.py::test_hugging_face_models_checkpointed_train_like_one_device",)),
+    Plant("checkpointed_layer_keeps_a_cache_by_another_name", "zerofunc/recompute.py",
+          "    kwargs = {k: None if _is_hf_cache(v) else v for k, v in kwargs.items()}",
+          "    kwargs = {k: None if _is_hf_cache(v) and k in (\"cache\", \"past_key_values\") else v\n"
+          "              for k, v in kwargs.items()}",
+          "the cache is taken from a checkpointed layer only by the names GPT-2 and Llama give it (by position, "
+          "`cache`; `past_key_values` in older releases): BLOOM, Falcon and GPT-NeoX hand it over as `layer_past`, "
+          "and their recomputed layers attend to their keys twice",
+          "issue 31 (any nn.Module: Hugging Face families beyond GPT-2 and Llama)",
+          ("tests/test_hf.py::test_other_hugging_face_families_train_like_one_device",)),
     Plant("check_ignores_its_checkpointing_flag", "zerofunc/check/__main__.py",
           "lora=lora_from_flags(a),\n                  activation_checkpointing=a.activation_checkpointing)",
           "lora=lora_from_flags(a))",
