@@ -53,6 +53,34 @@ class TokenMLP(nn.Module):
         return F.cross_entropy(logits, t, ignore_index=-100, reduction="sum") / num_items_in_batch
 
 
+class Residual(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.f = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU())
+
+    def forward(self, h):
+        return h + self.f(h)
+
+
+class SequentialLM(TokenMLP):
+    """TokenMLP with its blocks in an nn.Sequential that runs them (as timm's vision transformers keep
+    theirs), and in it too the embedding and a head tied to it: stage 3 gathers each block alone, and the
+    two modules that share a weight with the root."""
+
+    def __init__(self, vocab: int = 19, width: int = 11, depth: int = 2):
+        nn.Module.__init__(self)
+        emb, head = nn.Embedding(vocab, width), nn.Linear(width, vocab, bias=False)
+        head.weight = emb.weight
+        self.layers = nn.Sequential(emb, *(Residual(width) for _ in range(depth)), nn.LayerNorm(width), head)
+
+    def forward(self, idx, targets, num_items_in_batch=None):
+        logits, t = self.layers(idx).flatten(0, 1).float(), targets.flatten()
+        if num_items_in_batch is None:
+            return F.cross_entropy(logits, t, ignore_index=-100)
+        return F.cross_entropy(logits, t, ignore_index=-100, reduction="sum") / num_items_in_batch
+
+
+MODULES = {"regression": ResidualMLP, "tokens": TokenMLP, "sequential": SequentialLM}
 OPTIM = {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-5, "weight_decay": 0.1}}
 
 
@@ -67,7 +95,7 @@ def batches(kind: str, rows: int, gen: torch.Generator) -> tuple[torch.Tensor, t
 
 def four_lines(stage: int, accum: int, kind: str):
     torch.manual_seed(0)  # the same initial weights on every rank
-    model = ResidualMLP() if kind == "regression" else TokenMLP()
+    model = MODULES[kind]()
     reference = copy.deepcopy(model)
     engine = zerofunc.initialize(model, {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": accum,
                                          "zero_optimization": {"stage": stage}, "optimizer": OPTIM})
@@ -87,7 +115,7 @@ def four_lines(stage: int, accum: int, kind: str):
 
 
 def every_stage(accum: int) -> dict[str, list]:
-    return {kind: [four_lines(stage, accum, kind) for stage in STAGES] for kind in ("regression", "tokens")}
+    return {kind: [four_lines(stage, accum, kind) for stage in STAGES] for kind in MODULES}
 
 
 @pytest.fixture(scope="module")
@@ -98,15 +126,18 @@ def four_lines_world() -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind, blocks", [("regression", 3), ("tokens", 2)])
+@pytest.mark.parametrize("kind, blocks", [("regression", ["blocks.0", "blocks.1", "blocks.2"]),
+                                         ("tokens", ["blocks.0", "blocks.1"]),
+                                         ("sequential", ["layers.1", "layers.2", "layers.3"])])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_initialize_trains_any_module_like_one_device(four_lines_world, stage, kind, blocks):
     """2 gloo ranks, 2 micro-steps per step, DeepSpeed's calls as train_step makes them: the module's own
     weights are released and are where training starts, and each of 3 steps is one device's within fp32
     rounding (tests/steps.py). A language model that takes num_items_in_batch gets the global batch's token
-    mean, a regression its micro-batches' mean."""
+    mean, a regression its micro-batches' mean. The units are the blocks of a ModuleList or a Sequential;
+    the Sequential's embedding and tied head are the root's."""
     for units, released, same_start in (per_rank[kind][stage] for per_rank in four_lines_world):
-        assert units == ["", *(f"blocks.{i}" for i in range(blocks))]
+        assert units == ["", *blocks]
         assert released  # the module's own weights are gone; the engine's shards hold them
         assert same_start
 
@@ -114,3 +145,20 @@ def test_initialize_trains_any_module_like_one_device(four_lines_world, stage, k
 def test_initialize_rejects_a_bad_config():
     with pytest.raises(zerofunc.ConfigError, match="unknown config key 'zero_optimisation'"):
         zerofunc.initialize(ResidualMLP(), {"train_batch_size": 1, "zero_optimisation": {"stage": 2}})
+
+
+def _units_sharing_a_weight() -> str:
+    try:
+        zerofunc.initialize(SequentialLM(), {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+                                             "optimizer": OPTIM},
+                            unit_names=[f"layers.{i}" for i in range(5)])
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_units_that_share_a_weight_are_refused():
+    """Units named by the caller that split a tied weight (the embedding and its head, each a unit): one unit
+    would be gathered without it. Refused in one line, naming both."""
+    said = in_world(1, _units_sharing_a_weight)[0]
+    assert said.startswith("unit 'layers.4' shares its parameter 'weight' with unit 'layers.0'"), said

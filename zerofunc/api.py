@@ -2,6 +2,7 @@
 engine.backward(loss); engine.step()."""
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Optional
 
@@ -77,15 +78,24 @@ def initialize(model: nn.Module, config: dict | str | Path | Config, *, device: 
 
 
 def default_units(model: nn.Module) -> list[str]:
-    """Stage 3's gather units: the model's own `shard_units()`, else the children of its
-    largest ModuleList (the stack of transformer blocks in most models), else none."""
+    """Stage 3's gather units: the model's own `shard_units()`, else the children of its largest
+    ModuleList or Sequential below the root (the stack of blocks: a ModuleList in most models, Hugging
+    Face's among them, an nn.Sequential in others, timm's vision transformers), else none.
+
+    A child without parameters (an activation between blocks) is no unit; nor is one that shares a
+    parameter with another child (a head tied to an embedding in the same Sequential, one layer listed
+    twice): a unit is gathered alone, so a weight two units used would be missing from one of them. Their
+    parameters stay in the root unit."""
     if hasattr(model, "shard_units"):
         return list(model.shard_units())
-    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
-    if not lists:
+    stacks = [(name, m) for name, m in model.named_modules()
+              if name and isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m)]
+    if not stacks:
         return []
-    name, blocks = max(lists, key=lambda nm: sum(p.numel() for p in nm[1].parameters()))
-    return [f"{name}.{i}" for i in range(len(blocks))]
+    name, blocks = max(stacks, key=lambda nm: sum(p.numel() for p in nm[1].parameters()))
+    children = [(child, list(m.parameters())) for child, m in blocks.named_children()]
+    users = Counter(id(p) for _, params in children for p in params)
+    return [f"{name}.{child}" for child, params in children if params and all(users[id(p)] == 1 for p in params)]
 
 
 def _release_module_weights(model: nn.Module) -> None:

@@ -109,7 +109,8 @@ def partition(model: nn.Module, unit_names: list[str]) -> list[tuple[str, nn.Mod
     """Split the model's parameters into (name, module, named params): root first, then units.
 
     Parameter order inside a unit is registration order, so every rank builds the
-    identical layout. A parameter shared by two modules (a tied head) appears once.
+    identical layout. A parameter shared by two modules (a tied head) appears once, and
+    must not be shared across units: a unit is gathered alone (a ValueError says which).
     """
     units = [(name, model.get_submodule(name)) for name in unit_names]
     owner: dict[str, str] = {}
@@ -119,6 +120,13 @@ def partition(model: nn.Module, unit_names: list[str]) -> list[tuple[str, nn.Mod
     groups: dict[str, list] = {"": []} | {u: [] for u, _ in units}
     for pname, p in model.named_parameters():
         groups[owner.get(pname, "")].append((pname, p))
+    group_of = {id(p): g for g, named in groups.items() for _, p in named}
+    for uname, module in units:
+        for pname, p in module.named_parameters():
+            if group_of[id(p)] != uname:
+                theirs = f"unit '{group_of[id(p)]}'" if group_of[id(p)] else "the root unit"
+                raise ValueError(f"unit '{uname}' shares its parameter '{pname}' with {theirs}: a unit is gathered "
+                                 f"alone, so leave modules that share a weight out of the units (to the root)")
     ordered = [("", model, groups[""])] + [(u, m, groups[u]) for u, m in units]
     return [g for g in ordered if g[2]]
 

@@ -144,5 +144,20 @@ PLANTS: list[Plant] = [
           "stage 3 keeps each block gathered from its backward to the end of the step: by then the whole model",
           "issue 31",
           ("tests/test_overlap.py::test_stage_3_holds_at_most_one_block_and_its_prefetch_gathered",)),
+    # -- issue 31: any nn.Module: the units stage 3 gathers (zerofunc/api.py, default_units)
+    Plant("units_from_module_lists_only", "zerofunc/api.py",
+          "isinstance(m, (nn.ModuleList, nn.Sequential))", "isinstance(m, nn.ModuleList)",
+          "a model whose blocks are an nn.Sequential (timm's vision transformers) gets no units: stage 3 gathers "
+          "the whole model at once, so its memory is stage 2's", "issue 31 (any nn.Module)",
+          ("tests/test_api.py::test_initialize_trains_any_module_like_one_device",)),
+    Plant("units_split_a_tied_weight", "zerofunc/api.py",
+          "if params and all(users[id(p)] == 1 for p in params)]", "if params]",
+          "an embedding and the head tied to it, both in the stack of blocks, become two units: the tied weight is "
+          "gathered with one of them only", "issue 31 (any nn.Module)",
+          ("tests/test_api.py::test_initialize_trains_any_module_like_one_device",)),
+    Plant("units_may_share_a_weight", "zerofunc/units.py",
+          "            if group_of[id(p)] != uname:\n", "            if False:\n",
+          "units a caller names that split a tied weight are taken: one of them is gathered without it, and the "
+          "engine skips every step for gradients that are not finite", "issue 31 (any nn.Module)",
+          ("tests/test_api.py::test_units_that_share_a_weight_are_refused",)),
 ]
-
