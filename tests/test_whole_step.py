@@ -204,6 +204,39 @@ def test_a_hugging_face_gpt2_compiled_whole_trains_like_eager_at_stage_2():
         assert param_err <= 1e-5, f"parameters differ by {param_err:.1e}"
 
 
+def _engines_past_the_recompile_limit():
+    """Three engines compiled whole, one after another, in this process, with dynamo's recompile_limit set to 2
+    (default 8, which nine engines would pass as three pass 2): each's loss, graphs and ledger."""
+    from zerofunc.whole_step import WholeStep
+    WholeStep.backend = "aot_eager"
+    torch._dynamo.config.recompile_limit = 2
+    cfg = GPTConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=16, block_size=8)
+    batch = [torch.randint(0, cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0)) for _ in range(2)]
+    out = []
+    for _ in range(3):
+        with torch.device("meta"):
+            model = GPT(cfg)
+        engine = ZeroEngine(model, STAGES[0], DistCommunicator(link=None), OPTIM,
+                            init=lambda n, s: model.init_param(n, s, 0), compile="whole")
+        loss = train_step(engine, [batch]).item()
+        out.append((loss, {role: len(g.graphs) for role, g in engine.whole.graphs.items()}, sent(engine)))
+    return out
+
+
+def test_engines_past_dynamo_s_recompile_limit_are_compiled_too():
+    """Dynamo keeps a function's compiled graphs per code object, up to its recompile_limit (8), then runs it
+    eagerly: were every engine's step the same methods' code, the ninth engine of a process (a notebook, a
+    sweep) would run eager, unsaid but for a warning, and send collectives its ledger never records. With
+    the limit at 2, three engines of one model in one process: each compiles its own graphs, trains alike,
+    and records alike."""
+    rows = in_world(1, _engines_past_the_recompile_limit)[0]
+    first_loss, first_graphs, first_sent = rows[0]
+    assert all(first_graphs.values()) and first_sent, (first_graphs, first_sent)
+    for i, (loss, graphs, ledger) in enumerate(rows[1:], 2):
+        assert graphs == first_graphs, f"engine {i}: compiled graphs {graphs}, the first's {first_graphs}"
+        assert ledger == first_sent, f"engine {i}: its ledger holds {ledger}, the first's {first_sent}"
+        assert loss == first_loss, f"engine {i}: loss {loss}, the first's {first_loss}"
+
 def _stage_3_graphs():
     batch = [torch.randint(0, SMALL.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0)) for _ in range(2)]
     volumes = []

@@ -6,6 +6,7 @@ collectives that run issued, so that the ledger holds what the compiled step sen
 from __future__ import annotations
 
 import operator
+import types
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -70,6 +71,18 @@ class _Compiled:
 
     forward: Optional[GraphCollectives] = None
     backward: Optional[GraphCollectives] = field(default=None)
+
+
+def with_own_code(method):
+    """`method` (bound) with a code object of its own, to torch.compile. Dynamo keeps what it compiled for a
+    function, and the guards that choose it, per code object: every step compiled whole shares WholeStep's
+    methods' code, each engine adds its entries, and past dynamo's `recompile_limit` (8) it runs the function
+    eagerly, saying so once in a warning (the ninth engine of a process then sent its collectives unrecorded in
+    the ledger). With a code object each, an engine's graphs are its own, and go with it."""
+    f = method.__func__
+    own = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+    own.__kwdefaults__ = f.__kwdefaults__
+    return types.MethodType(own, method.__self__)
 
 
 class CompiledGraphs:

@@ -60,7 +60,7 @@ from sim.ledger import LedgerEntry
 from zerofunc.binding import installed
 from zerofunc.collectives import Group, ReducedGradient
 from zerofunc.comm_schedule import overlap
-from zerofunc.compiled_graphs import Collective, CompiledGraphs
+from zerofunc.compiled_graphs import Collective, CompiledGraphs, with_own_code
 from zerofunc.recompute import head_settings, keep_attention_and_every_second_matmul, without_cache
 from zerofunc.state import OptimizerState
 from zerofunc.units import reduced_dtype
@@ -125,7 +125,8 @@ class WholeStep:
         self.graphs = {role: CompiledGraphs(backend, engine.overlap.bucket_bytes,
                                             functools.partial(self._issued, role), schedules[role])
                        for role in ("loss", "reduce", "apply")}
-        compiled = lambda fn, role: torch.compile(fn, backend=self.graphs[role], dynamic=False)  # noqa: E731
+        compiled = lambda fn, role: torch.compile(with_own_code(fn), backend=self.graphs[role],  # noqa: E731
+                                                  dynamic=False)
         # the leaves backward's gradients arrive at: the shard (stage 3; at stages 1-2, when reduced in backward,
         # a placeholder of the shard's size, since the weights the forward uses are the whole ones), else the
         # whole weights

@@ -218,4 +218,10 @@ PLANTS: list[Plant] = [
     Plant("harness_config_of_another_width", "benchmarks/models/gpt2-30m.json", '"n_embd": 640', '"n_embd": 768',
           "the GPU's 30m rows (the whole part with WHOLE_MODEL) run another model than the CPU harness's 30m, and "
           "the two are compared as one", "issue 31 note", ("tests/test_harness_models.py",)),
+    Plant("whole_step_engines_share_compiled_code", "zerofunc/whole_step.py",
+          "torch.compile(with_own_code(fn), backend=", "torch.compile(fn, backend=",
+          "every engine compiled whole shares one cache of dynamo's: the ninth engine in a process (a notebook, a "
+          "sweep) runs its step eagerly, and its ledger records none of the collectives it sends",
+          "issue 31 (benchmarks/hf_families.py's sweep, 2026-11-28)",
+          ("tests/test_whole_step.py::test_engines_past_dynamo_s_recompile_limit_are_compiled_too",)),
 ]
