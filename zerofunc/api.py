@@ -2,7 +2,7 @@
 engine.backward(loss); engine.step()."""
 from __future__ import annotations
 
-from collections import Counter
+from collections import defaultdict
 from pathlib import Path
 from typing import Optional
 
@@ -83,8 +83,8 @@ def default_units(model: nn.Module) -> list[str]:
     Face's among them, an nn.Sequential in others, timm's vision transformers), else none.
 
     A child without parameters (an activation between blocks) is no unit; nor is one that shares a
-    parameter with another child (a head tied to an embedding in the same Sequential, one layer listed
-    twice): a unit is gathered alone, so a weight two units used would be missing from one of them. Their
+    parameter with any other module of the model (a head tied to an embedding, one layer listed twice):
+    a unit is gathered alone, so a weight two units used would be missing from one of them. Their
     parameters stay in the root unit."""
     if hasattr(model, "shard_units"):
         return list(model.shard_units())
@@ -93,9 +93,12 @@ def default_units(model: nn.Module) -> list[str]:
     if not stacks:
         return []
     name, blocks = max(stacks, key=lambda nm: sum(p.numel() for p in nm[1].parameters()))
-    children = [(child, list(m.parameters())) for child, m in blocks.named_children()]
-    users = Counter(id(p) for _, params in children for p in params)
-    return [f"{name}.{child}" for child, params in children if params and all(users[id(p)] == 1 for p in params)]
+    holders: dict[int, set[str]] = defaultdict(set)  # each parameter: the children of the stack that hold it,
+    for pname, p in model.named_parameters(remove_duplicate=False):  # or "" for any module outside them
+        child = pname[len(name) + 1:].split(".")[0] if pname.startswith(f"{name}.") else ""
+        holders[id(p)].add(child)
+    return [f"{name}.{child}" for child, m in blocks.named_children()
+            if any(True for _ in m.parameters()) and all(holders[id(p)] == {child} for p in m.parameters())]
 
 
 def _release_module_weights(model: nn.Module) -> None:
