@@ -64,8 +64,8 @@ class Residual(nn.Module):
 
 class SequentialLM(TokenMLP):
     """TokenMLP with its blocks in an nn.Sequential that runs them (as timm's vision transformers keep
-    theirs), and in it too the embedding and a head tied to it: stage 3 gathers each block alone, and the
-    two modules that share a weight with the root."""
+    theirs), and in it too the embedding and a head tied to it: stage 3 gathers each block (and the final
+    norm) alone, and leaves the embedding and the head, which share a weight, to the root unit."""
 
     def __init__(self, vocab: int = 19, width: int = 11, depth: int = 2):
         nn.Module.__init__(self)
