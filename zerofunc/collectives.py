@@ -181,7 +181,9 @@ class ReducedGradient(torch.autograd.Function):
         # weights leave a graph as its outputs, and AOTAutograd regenerates an output that aliases an input
         # needing no gradient (stage 2's whole weights) from that input, cutting this function off: no
         # gradient would reach the shard. Inside one graph inductor removes the copy (its noop pass; measured
-        # at stage 2: the forward saves the same bytes with it as without)
+        # at stage 2: the forward saves the same bytes with it as without). Since the weights go on through
+        # whole_weights.py's _Unflattened, a view keeps its gradient too (tests/plant_register/whole_step.py);
+        # the copy stays, free inside a graph, for a model whose graph breaks elsewhere
         return whole.clone()
 
     @staticmethod
