@@ -43,14 +43,26 @@ class TokenMLP(nn.Module):
                                     for _ in range(depth))
         self.head = nn.Linear(width, vocab)
 
+    def runs(self) -> list[nn.Module]:
+        """The blocks in the order the forward runs them."""
+        return list(self.blocks)
+
     def forward(self, idx, targets, num_items_in_batch=None):
         h = self.emb(idx)
-        for block in self.blocks:
+        for block in self.runs():
             h = h + block(h)
         logits, t = self.head(h).flatten(0, 1).float(), targets.flatten()
         if num_items_in_batch is None:
             return F.cross_entropy(logits, t, ignore_index=-100)
         return F.cross_entropy(logits, t, ignore_index=-100, reduction="sum") / num_items_in_batch
+
+
+class ReusedLM(TokenMLP):
+    """TokenMLP whose forward runs its first block again after the last, twice (weights shared across depth, as
+    ALBERT's): that block's gradient is the sum over its three runs, reduced once a micro-step."""
+
+    def runs(self) -> list[nn.Module]:
+        return [*self.blocks, self.blocks[0], self.blocks[0]]
 
 
 class Residual(nn.Module):
@@ -80,7 +92,7 @@ class SequentialLM(TokenMLP):
         return F.cross_entropy(logits, t, ignore_index=-100, reduction="sum") / num_items_in_batch
 
 
-MODULES = {"regression": ResidualMLP, "tokens": TokenMLP, "sequential": SequentialLM}
+MODULES = {"regression": ResidualMLP, "tokens": TokenMLP, "sequential": SequentialLM, "reused": ReusedLM}
 OPTIM = {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-5, "weight_decay": 0.1}}
 
 
@@ -128,14 +140,16 @@ def four_lines_world() -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.parametrize("kind, blocks", [("regression", ["blocks.0", "blocks.1", "blocks.2"]),
                                          ("tokens", ["blocks.0", "blocks.1"]),
-                                         ("sequential", ["layers.1", "layers.2", "layers.3"])])
+                                         ("sequential", ["layers.1", "layers.2", "layers.3"]),
+                                         ("reused", ["blocks.0", "blocks.1"])])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_initialize_trains_any_module_like_one_device(four_lines_world, stage, kind, blocks):
     """2 gloo ranks, 2 micro-steps per step, DeepSpeed's calls as train_step makes them: the module's own
     weights are released and are where training starts, and each of 3 steps is one device's within fp32
     rounding (tests/steps.py). A language model that takes num_items_in_batch gets the global batch's token
     mean, a regression its micro-batches' mean. The units are the blocks of a ModuleList or a Sequential;
-    the Sequential's embedding and tied head are the root's."""
+    the Sequential's embedding and tied head are the root's. A block the forward runs three times gets the sum
+    of its runs' gradients."""
     for units, released, same_start in (per_rank[kind][stage] for per_rank in four_lines_world):
         assert units == ["", *blocks]
         assert released  # the module's own weights are gone; the engine's shards hold them

@@ -1,5 +1,6 @@
 """--compile whole beyond tests/test_whole_step.py's GPT: a Hugging Face model, whose forward the compiler
-breaks in two, and many engines compiled whole in one process (a notebook, a sweep)."""
+breaks in two, a model that runs a block more than once, and many engines compiled whole in one process (a
+notebook, a sweep)."""
 from __future__ import annotations
 
 import torch
@@ -48,6 +49,47 @@ def test_a_hugging_face_gpt2_compiled_whole_trains_like_eager_at_stage_2():
         assert forwards >= 2, f"the forward compiled as {forwards} graph(s): the case this test is for is gone"
         assert loss_err <= 1e-5, f"losses differ by {loss_err:.1e}"
         assert param_err <= 1e-5, f"parameters differ by {param_err:.1e}"
+
+
+def _a_block_run_again(stage: int):
+    import zerofunc
+    from tests.test_api import ReusedLM, batches
+    from zerofunc.whole_step import WholeStep
+    WholeStep.backend = "aot_eager"
+    WholeStep.reduce_in_backward = True  # a GPU's: the boundary's backward reduces, the earlier micro-batch's sum added
+    out = []
+    for compile in (False, "whole"):
+        torch.manual_seed(0)
+        engine = zerofunc.initialize(ReusedLM(), {
+            "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": CLIP,
+            "zero_optimization": {"stage": stage}, "compile": compile,
+            "optimizer": {"type": "AdamW", "params": {"lr": OPTIM.lr, "betas": list(OPTIM.betas), "eps": OPTIM.eps,
+                                                      "weight_decay": OPTIM.weight_decay}}})
+        rank, world = engine.comm.rank, engine.comm.world_size
+        gen, losses, norms = torch.Generator().manual_seed(1), [], []
+        for _ in range(STEPS):
+            x, y = batches("tokens", 4 * world, gen)
+            everyone = [(x[i * 2:(i + 1) * 2], y[i * 2:(i + 1) * 2]) for i in range(2 * world)]
+            losses.append(train_step(engine, everyone[rank::world]).item())
+            norms.append(engine.state.grad_norm)
+        out.append((losses, norms, engine.full_parameters()))
+    (eager_losses, eager_norms, ep), (whole_losses, whole_norms, wp) = out
+    return apart(eager_losses, whole_losses), apart(eager_norms, whole_norms), apart(ep, wp)
+
+
+def _blocks_run_again() -> list:
+    return [_a_block_run_again(stage) for stage in (0, 1)]
+
+
+def test_a_block_run_again_compiled_whole_trains_like_eager():
+    """A block the forward runs three times (tests/test_api.py's ReusedLM): at stages 0-1 the accumulation
+    boundary's backward reduces each run's gradient as the run's backward ends, the earlier micro-batch's sum
+    added once, not at every run. On 2 ranks, 2 micro-batches a step, 3 clipped steps, held to eager (which
+    tests/test_api.py holds to one device) within the 1e-5 tests/test_whole_step.py derives."""
+    for per_stage in in_world(2, _blocks_run_again):
+        for stage, (loss_err, norm_err, param_err) in zip((0, 1), per_stage):
+            assert max(loss_err, norm_err, param_err) <= 1e-5, \
+                f"stage {stage}: losses {loss_err:.1e}, gradient norms {norm_err:.1e}, parameters {param_err:.1e} apart"
 
 
 def _engines_past_the_recompile_limit():

@@ -83,13 +83,15 @@ def _positions(graph: torch.fx.Graph) -> dict[torch.fx.Node, int]:
 
 def _complete_before(completion: list, limit: torch.fx.Node | None, graph: torch.fx.Graph) -> None:
     """Move a collective's completion to just before the first node that reads it, or before `limit` if
-    that comes first."""
+    that comes first; not above a node it reads (a block run more than once reduces its gradient at each
+    run, and the runs' reductions complete as one: `limit`, the next reduction, may be one of them)."""
     inside = set(completion)
     where = _positions(graph)
     stops = [u for c in completion for u in c.users if u not in inside] + ([limit] if limit is not None else [])
+    read = [where[a] for c in completion for a in c.all_input_nodes if a not in inside]
     if stops:
         first = min(stops, key=where.__getitem__)
-        if where[first] > where[completion[0]]:
+        if where[first] > max([where[completion[0]], *read]):
             for c in completion:
                 first.prepend(c)
 

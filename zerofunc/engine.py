@@ -226,19 +226,27 @@ class ZeroEngine(BlockHooks, WholeState):
         self.memory.mark("backward")
         tape.seed(loss, torch.full_like(loss, scale))
         root = self._root
-        root_grad = None
+        # a block the forward ran more than once (weights shared across depth, as ALBERT's) is done with at its
+        # first run's segment: its gradient is summed until then, and reduced once, as the root's is
+        first_run = {}
+        for segment in tape.segments:
+            first_run.setdefault(segment.unit, segment.index)
+        held: dict = {}  # a block's name (the root's: None) -> its gradient over the segments differentiated so far
         with self.memory.category("activations"):
             for segment in reversed(tape.segments):
                 unit = self._unit_named[segment.unit] if segment.unit is not None else None
                 if unit is not None and self._regather_before_backward:
                     self.gathering.regather(unit)
                 grads = tape.grad(segment, [u.weights for u in (unit, root) if u is not None])
-                if unit is not None:
-                    self._unit_done(unit, grads[0], boundary)
-                if root is not None and grads[-1] is not None:
-                    root_grad = grads[-1] if root_grad is None else root_grad.add_(grads[-1])
+                for name, g in zip([n for n, u in ((segment.unit, unit), (None, root)) if u is not None], grads):
+                    if g is not None:
+                        held[name] = held[name].add_(g) if name in held else g
+                if unit is not None and segment.index == first_run[unit.name]:
+                    self._unit_done(unit, held.pop(unit.name, None), boundary)
+                elif unit is not None:
+                    self.gathering.release(unit)  # backward reaches its earlier run later, and gathers it again
             if root is not None:
-                self._unit_done(root, root_grad, boundary)
+                self._unit_done(root, held.pop(None, None), boundary)
         self.reduction.drain()
         self.gathering.release_blocks()
 
@@ -288,3 +296,4 @@ def _outside_the_engine(leaf: torch.Tensor) -> None:
     a plain backward reaches): the gradient would be kept but never reduced or stepped."""
     leaf.grad = None
     raise RuntimeError("backward ran outside the engine: call engine.backward(loss), not loss.backward()")
+

@@ -183,8 +183,9 @@ class WholeStep:
             whole = ReducedGradient.apply(leaf, unit.params, group, None, True)
         elif self._accumulated is None:  # stages 0-1 before the accumulation boundary, or reduced after backward
             whole = self.accumulating.get(unit.name, leaf)
-        else:  # the boundary: the earlier micro-batches' sum added, and the whole reduced (summed at stage 0)
-            whole = ReducedGradient.apply(leaf, unit.params, group, self._accumulated[unit.name],
+        else:  # the boundary: the earlier micro-batches' sum added, and the whole reduced (summed at stage 0); a
+            # block run again (weights shared across depth) reduces its own gradient there, the sum added once
+            whole = ReducedGradient.apply(leaf, unit.params, group, self._accumulated.pop(unit.name, None),
                                           self.stage.shard_optimizer)
         return dict(zip(names, Unflattened.apply(whole, slots)))
 
@@ -216,7 +217,7 @@ class WholeStep:
         from zerofunc.step import loss_of
         root = self.engine._root
         self._prefetched = {}  # stage 3: blocks gathered ahead of their forward, by name
-        self._accumulated = accumulated
+        self._accumulated = dict(accumulated) if accumulated is not None else None  # each taken once
         views = self._whole_weights(root) if root is not None else {}
         loss = loss_of(functional_call(self.engine.model, views, args, kwargs, strict=False)).float()
         self._prefetched, self._accumulated = {}, None

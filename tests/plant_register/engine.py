@@ -160,4 +160,12 @@ PLANTS: list[Plant] = [
           "units a caller names that split a tied weight are taken: one of them is gathered without it, and the "
           "engine skips every step for gradients that are not finite", "issue 31 (any nn.Module)",
           ("tests/test_api.py::test_units_that_share_a_weight_are_refused",)),
+    Plant("block_run_again_reduced_at_each_run", ENG,
+          "                if unit is not None and segment.index == first_run[unit.name]:\n"
+          "                    self._unit_done(unit, held.pop(unit.name, None), boundary)\n",
+          "                if unit is not None:\n"
+          "                    self._unit_done(unit, held.pop(unit.name, None), boundary)\n",
+          "a block the forward runs more than once (weights shared across depth, as ALBERT's) is reduced at each "
+          "run's segment: stage 0 all-reduces a gradient that later runs still add to, and trains it wrong",
+          "issue 31 (any nn.Module)", ("tests/test_api.py::test_initialize_trains_any_module_like_one_device[0-reused-blocks3]",)),
 ]

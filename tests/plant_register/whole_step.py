@@ -222,4 +222,15 @@ PLANTS: list[Plant] = [
           "sweep) runs its step eagerly, and its ledger records none of the collectives it sends",
           "issue 31 (benchmarks/hf_families.py's sweep, 2026-11-28)",
           ("tests/test_whole_step_models.py::test_engines_past_dynamo_s_recompile_limit_are_compiled_too",)),
+    Plant("whole_step_accumulated_added_at_each_run", "zerofunc/whole_step.py",
+          "self._accumulated.pop(unit.name, None)", "self._accumulated.get(unit.name)",
+          "compiled whole with the GPU's layout (stages 0-1 reduce in the boundary's backward), a block the forward "
+          "runs three times gets the earlier micro-batches' gradient three times", "issue 31 (any nn.Module)",
+          ("tests/test_whole_step_models.py::test_a_block_run_again_compiled_whole_trains_like_eager",)),
+    Plant("comm_schedule_completes_above_what_it_reads", "zerofunc/comm_schedule.py",
+          "        if where[first] > max([where[completion[0]], *read]):", "        if where[first] > where[completion[0]]:",
+          "a block run more than once reduces its gradient at each run, the reductions complete as one, and the "
+          "schedule moves that completion above a later run's reduction: the compiled backward fails as it runs",
+          "issue 31 (any nn.Module)",
+          ("tests/test_whole_step_models.py::test_a_block_run_again_compiled_whole_trains_like_eager",)),
 ]
