@@ -33,7 +33,9 @@ overlap the blocks' compute within ZeRO's bounds. What the graphs then hold is r
 (`WholeStep.graphs`): tests/test_whole_step.py holds stage 3 to its block and the prefetched one. Each run
 of a graph writes its collectives in the communicator's ledger, tagged as the eager step tags the same bytes,
 so the ledger of a step compiled whole is the eager step's (the planner's), bucketed (tests/test_whole_step.py),
-but for a frozen part no gradient needs, which eager gathers again in backward with its unit (tests/test_frozen.py).
+but for a frozen part no gradient needs, which eager gathers again in backward with its unit (tests/test_frozen.py),
+and for a block the forward runs more than once (weights shared across depth): where backward reduces, each run's
+gradient is reduced here, where eager sums the runs' and reduces once (tests/test_whole_step_models.py).
 
 Two more decisions where a block starts. Frozen parameters (requires_grad=False: LoRA's base) enter as values
 with no gradient, whole at stages 0-2, gathered at stage 3 under the same recompute policy, never reduced; only
