@@ -196,9 +196,10 @@ def one_device_gradients(reference: nn.Module, step: Step):
         reference.zero_grad(set_to_none=True)
         value = loss(reference, batch, num_items)
         (value * scale if scale != 1.0 else value).backward()
-        for n, p in trained:
-            mean[n] += p.grad.double() / world
-            abs_mean[n] += p.grad.double().abs() / world
+        for n, p in trained:  # one the forward did not use has no gradient: zero, as DeepSpeed's unused parameters
+            if p.grad is not None:
+                mean[n] += p.grad.double() / world
+                abs_mean[n] += p.grad.double().abs() / world
         losses[i] = value.item()
     if ranks > 1:
         parts = [*mean.values(), *abs_mean.values(), losses]

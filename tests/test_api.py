@@ -43,13 +43,13 @@ class TokenMLP(nn.Module):
                                     for _ in range(depth))
         self.head = nn.Linear(width, vocab)
 
-    def runs(self) -> list[nn.Module]:
+    def runs(self, idx: torch.Tensor) -> list[nn.Module]:
         """The blocks in the order the forward runs them."""
         return list(self.blocks)
 
     def forward(self, idx, targets, num_items_in_batch=None):
         h = self.emb(idx)
-        for block in self.runs():
+        for block in self.runs(idx):
             h = h + block(h)
         logits, t = self.head(h).flatten(0, 1).float(), targets.flatten()
         if num_items_in_batch is None:
@@ -61,8 +61,21 @@ class ReusedLM(TokenMLP):
     """TokenMLP whose forward runs its first block again after the last, twice (weights shared across depth, as
     ALBERT's): that block's gradient is the sum over its three runs, reduced once a micro-step."""
 
-    def runs(self) -> list[nn.Module]:
+    def runs(self, idx: torch.Tensor) -> list[nn.Module]:
         return [*self.blocks, self.blocks[0], self.blocks[0]]
+
+
+class PartlyRunLM(TokenMLP):
+    """TokenMLP with four blocks: the forward runs the second only on sequences of more than 4 tokens (a step's
+    first micro-step; the accumulation boundary's are shorter: `micro_batches`), the fourth never (a module the
+    loss does not use). The second's gradient is the first micro-step's; the fourth's is zero, as DeepSpeed's
+    ignore_unused_parameters has it: AdamW still steps it (its weight decay)."""
+
+    def __init__(self):
+        super().__init__(depth=4)
+
+    def runs(self, idx: torch.Tensor) -> list[nn.Module]:
+        return [self.blocks[0], *([self.blocks[1]] if idx.shape[1] > 4 else []), self.blocks[2]]
 
 
 class Residual(nn.Module):
@@ -92,7 +105,8 @@ class SequentialLM(TokenMLP):
         return F.cross_entropy(logits, t, ignore_index=-100, reduction="sum") / num_items_in_batch
 
 
-MODULES = {"regression": ResidualMLP, "tokens": TokenMLP, "sequential": SequentialLM, "reused": ReusedLM}
+MODULES = {"regression": ResidualMLP, "tokens": TokenMLP, "sequential": SequentialLM, "reused": ReusedLM,
+           "partly run": PartlyRunLM}
 OPTIM = {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-5, "weight_decay": 0.1}}
 
 
@@ -103,6 +117,16 @@ def batches(kind: str, rows: int, gen: torch.Generator) -> tuple[torch.Tensor, t
         return torch.randn(rows, 7, generator=gen), torch.randn(rows, generator=gen)
     tokens = torch.randint(0, 19, (rows, 6), generator=gen)
     return tokens[:, :-1], ignore_some(tokens[:, 1:], gen)
+
+
+def micro_batches(kind: str, world: int, accum: int, gen: torch.Generator) -> list[tuple]:
+    """A step's micro-batches of 2 rows, every rank's: micro-step j of rank r takes j * world + r. For a
+    PartlyRunLM, micro-step j's sequences are j tokens shorter than the first's."""
+    x, y = batches(kind, 2 * world * accum, gen)
+    everyone = [(x[i * 2:(i + 1) * 2], y[i * 2:(i + 1) * 2]) for i in range(world * accum)]
+    if kind == "partly run":
+        everyone = [(a[:, :5 - i // world], b[:, :5 - i // world]) for i, (a, b) in enumerate(everyone)]
+    return everyone
 
 
 def four_lines(stage: int, accum: int, kind: str):
@@ -119,8 +143,7 @@ def four_lines(stage: int, accum: int, kind: str):
     gen = torch.Generator().manual_seed(1)
     steps = []
     for _ in range(3):
-        x, y = batches(kind, 2 * world * accum, gen)
-        everyone = [(x[i * 2:(i + 1) * 2], y[i * 2:(i + 1) * 2]) for i in range(world * accum)]
+        everyone = micro_batches(kind, world, accum, gen)
         steps.append(record_step(engine, everyone[rank::world], everyone))  # micro-step j of rank r: j*N + r
     check_steps(reference, steps, f"{kind}, stage {stage}")
     return units, released, same_start
@@ -141,7 +164,8 @@ def four_lines_world() -> list[dict]:
 @pytest.mark.parametrize("kind, blocks", [("regression", ["blocks.0", "blocks.1", "blocks.2"]),
                                          ("tokens", ["blocks.0", "blocks.1"]),
                                          ("sequential", ["layers.1", "layers.2", "layers.3"]),
-                                         ("reused", ["blocks.0", "blocks.1"])])
+                                         ("reused", ["blocks.0", "blocks.1"]),
+                                         ("partly run", ["blocks.0", "blocks.1", "blocks.2", "blocks.3"])])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_initialize_trains_any_module_like_one_device(four_lines_world, stage, kind, blocks):
     """2 gloo ranks, 2 micro-steps per step, DeepSpeed's calls as train_step makes them: the module's own
@@ -149,7 +173,7 @@ def test_initialize_trains_any_module_like_one_device(four_lines_world, stage, k
     rounding (tests/steps.py). A language model that takes num_items_in_batch gets the global batch's token
     mean, a regression its micro-batches' mean. The units are the blocks of a ModuleList or a Sequential;
     the Sequential's embedding and tied head are the root's. A block the forward runs three times gets the sum
-    of its runs' gradients."""
+    of its runs' gradients; one it runs at the first micro-step only, that one's; one it never runs, zero."""
     for units, released, same_start in (per_rank[kind][stage] for per_rank in four_lines_world):
         assert units == ["", *blocks]
         assert released  # the module's own weights are gone; the engine's shards hold them

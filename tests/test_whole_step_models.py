@@ -1,5 +1,5 @@
 """--compile whole beyond tests/test_whole_step.py's GPT: a Hugging Face model, whose forward the compiler
-breaks in two, a model that runs a block more than once, and many engines compiled whole in one process (a
+breaks in two, models that run a block more than once or not at all, and many engines compiled whole in one process (a
 notebook, a sweep)."""
 from __future__ import annotations
 
@@ -51,16 +51,16 @@ def test_a_hugging_face_gpt2_compiled_whole_trains_like_eager_at_stage_2():
         assert param_err <= 1e-5, f"parameters differ by {param_err:.1e}"
 
 
-def _a_block_run_again(stage: int):
+def _blocks_run_unevenly(stage: int, kind: str):
     import zerofunc
-    from tests.test_api import ReusedLM, batches
+    from tests.test_api import MODULES, micro_batches
     from zerofunc.whole_step import WholeStep
     WholeStep.backend = "aot_eager"
     WholeStep.reduce_in_backward = True  # a GPU's: the boundary's backward reduces, the earlier micro-batch's sum added
     out = []
     for compile in (False, "whole"):
         torch.manual_seed(0)
-        engine = zerofunc.initialize(ReusedLM(), {
+        engine = zerofunc.initialize(MODULES[kind](), {
             "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": CLIP,
             "zero_optimization": {"stage": stage}, "compile": compile,
             "optimizer": {"type": "AdamW", "params": {"lr": OPTIM.lr, "betas": list(OPTIM.betas), "eps": OPTIM.eps,
@@ -68,8 +68,7 @@ def _a_block_run_again(stage: int):
         rank, world = engine.comm.rank, engine.comm.world_size
         gen, losses, norms = torch.Generator().manual_seed(1), [], []
         for _ in range(STEPS):
-            x, y = batches("tokens", 4 * world, gen)
-            everyone = [(x[i * 2:(i + 1) * 2], y[i * 2:(i + 1) * 2]) for i in range(2 * world)]
+            everyone = micro_batches(kind, world, 2, gen)
             losses.append(train_step(engine, everyone[rank::world]).item())
             norms.append(engine.state.grad_norm)
         out.append((losses, norms, engine.full_parameters()))
@@ -77,19 +76,25 @@ def _a_block_run_again(stage: int):
     return apart(eager_losses, whole_losses), apart(eager_norms, whole_norms), apart(ep, wp)
 
 
-def _blocks_run_again() -> list:
-    return [_a_block_run_again(stage) for stage in (0, 1)]
+CASES = [(stage, kind) for kind in ("reused", "partly run") for stage in (0, 1)]
 
 
-def test_a_block_run_again_compiled_whole_trains_like_eager():
-    """A block the forward runs three times (tests/test_api.py's ReusedLM): at stages 0-1 the accumulation
-    boundary's backward reduces each run's gradient as the run's backward ends, the earlier micro-batch's sum
-    added once, not at every run. On 2 ranks, 2 micro-batches a step, 3 clipped steps, held to eager (which
-    tests/test_api.py holds to one device) within the 1e-5 tests/test_whole_step.py derives."""
-    for per_stage in in_world(2, _blocks_run_again):
-        for stage, (loss_err, norm_err, param_err) in zip((0, 1), per_stage):
-            assert max(loss_err, norm_err, param_err) <= 1e-5, \
-                f"stage {stage}: losses {loss_err:.1e}, gradient norms {norm_err:.1e}, parameters {param_err:.1e} apart"
+def _every_case() -> list:
+    return [_blocks_run_unevenly(stage, kind) for stage, kind in CASES]
+
+
+def test_blocks_run_unevenly_compiled_whole_train_like_eager():
+    """Where stages 0-1 reduce in the accumulation boundary's backward (a GPU's layout), the earlier micro-batch's
+    sum added: a block the forward runs three times (tests/test_api.py's ReusedLM) reduces each run's gradient
+    as the run's backward ends, the sum added once, not at every run; a block the boundary's forward does not run
+    (PartlyRunLM) has its sum reduced all the same, and one no forward runs gets a zero gradient. On 2 ranks, 2
+    micro-batches a step, 3 clipped steps, held to eager (which tests/test_api.py holds to one device) within the
+    1e-5 tests/test_whole_step.py derives."""
+    for per_case in in_world(2, _every_case):
+        for (stage, kind), (loss_err, norm_err, param_err) in zip(CASES, per_case):
+            assert max(loss_err, norm_err, param_err) <= 1e-5, (f"{kind}, stage {stage}: losses {loss_err:.1e}, "
+                                                                f"gradient norms {norm_err:.1e}, parameters "
+                                                                f"{param_err:.1e} apart")
 
 
 def _engines_past_the_recompile_limit():

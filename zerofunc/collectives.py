@@ -197,3 +197,22 @@ class ReducedGradient(torch.autograd.Function):
         if accumulated is not None:
             grad = grad + accumulated
         return reduced_gradient(grad, ctx.group, ctx.scatter), None, None, None, None
+
+
+class LeftOutGradient(torch.autograd.Function):
+    """The loss, as it is; its backward reduces `accumulated` onto `leaf` as ReducedGradient's would: a unit the
+    accumulation boundary's forward did not run still has the earlier micro-batches' sum to reduce."""
+
+    @staticmethod
+    def forward(loss, leaf, group, accumulated, scatter):
+        return loss.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, _, ctx.group, accumulated, ctx.scatter = inputs
+        ctx.save_for_backward(accumulated)
+
+    @staticmethod
+    def backward(ctx, grad):
+        accumulated, = ctx.saved_tensors
+        return grad, reduced_gradient(accumulated, ctx.group, ctx.scatter), None, None, None

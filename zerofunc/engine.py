@@ -218,8 +218,8 @@ class ZeroEngine(BlockHooks, WholeState):
         after which stages 0-1 reduce (the others reduce every micro-step).
 
         The forward's tape is differentiated segment by segment, last first; each block's
-        gradient is handed to the stage's reduction as soon as its segment is done, the root's
-        (used in the first and, for a head, the last segments) after the first."""
+        gradient is handed to the stage's reduction as soon as its (first run's) segment is done, the
+        root's (used in the first and, for a head, the last segments) after the first."""
         tape, self._tape = self._tape, None
         if tape is None:
             raise RuntimeError("engine.backward(loss) with no forward through the engine since the last backward")
@@ -228,9 +228,7 @@ class ZeroEngine(BlockHooks, WholeState):
         root = self._root
         # a block the forward ran more than once (weights shared across depth, as ALBERT's) is done with at its
         # first run's segment: its gradient is summed until then, and reduced once, as the root's is
-        first_run = {}
-        for segment in tape.segments:
-            first_run.setdefault(segment.unit, segment.index)
+        first_run = {segment.unit: segment.index for segment in reversed(tape.segments)}
         held: dict = {}  # a block's name (the root's: None) -> its gradient over the segments differentiated so far
         with self.memory.category("activations"):
             for segment in reversed(tape.segments):
@@ -247,15 +245,19 @@ class ZeroEngine(BlockHooks, WholeState):
                     self.gathering.release(unit)  # backward reaches its earlier run later, and gathers it again
             if root is not None:
                 self._unit_done(root, held.pop(None, None), boundary)
+            for unit in (u for u in self.gathering.blocks if boundary and u.name not in first_run):  # not run
+                self._unit_done(unit, None, boundary)
         self.reduction.drain()
         self.gathering.release_blocks()
 
     def _unit_done(self, unit: Unit, grad: Optional[torch.Tensor], boundary: bool) -> None:
         """Backward is done with the unit: reduce its gradient of this micro-step as the stage says
         (zerofunc/reduction.py), and release its weights (stage 3). A unit whose weights are all frozen has no
-        gradient, and is released all the same."""
+        gradient, and is released all the same; one this micro-step did not reach is left out of it."""
         if grad is not None:
             self.reduction.add(unit, grad, boundary)
+        elif boundary and unit.numel:
+            self.reduction.left_out(unit)
         self.gathering.release(unit)
 
     @property

@@ -39,27 +39,54 @@ class GradientReduction:
         Each reduction is launched here and finished (its result put in place) when the
         in-flight queue waits for it: later, while autograd works on earlier blocks.
         """
-        stage, comm = self.stage, self.comm
         dtype = reduced_dtype(grad.dtype, self.reduce_dtype)  # accumulated and reduced in it from here on
         if grad.dtype != dtype:
             grad = grad.to(dtype)
+        if self.stage.shard_grads:
+            self._scatter(unit, grad, boundary)
+            return
+        self.memory.track(grad, "grads")
+        unit.local_grad = grad if unit.local_grad is None else unit.local_grad.add_(grad)
+        if boundary:
+            self._reduce_accumulated(unit)
+
+    def left_out(self, unit: Unit) -> None:
+        """The accumulation boundary's backward did not reach `unit` (the forward did not run it, on every rank
+        alike): reduce what the step's earlier micro-steps accumulated (stages 0-1), or, where none reached it
+        either, give it a zero gradient, as DeepSpeed's `ignore_unused_parameters` does; no collective for zeros."""
+        if unit.local_grad is not None:
+            self._reduce_accumulated(unit)
+        elif unit.grad is None:
+            sharded = self.stage.shard_optimizer
+            with self.memory.category("grads"):
+                unit.grad = torch.zeros(unit.layout.shard_numel if sharded else unit.layout.padded_numel,
+                                        dtype=reduced_dtype(unit.params.dtype, self.reduce_dtype),
+                                        device=unit.params.device)
+            if self.offload is not None:
+                unit.grad = self.offload.gradient_down(unit.staging, unit.grad)
+
+    def _reduce_accumulated(self, unit: Unit) -> None:
+        """Stages 0-1 at the boundary: the step's accumulated local gradient, all-reduced (stage 0) or reduced
+        onto this rank's slice of it (stage 1)."""
+        if self.stage.shard_optimizer:
+            self._scatter(unit, unit.local_grad, True)
+            return
+        unit.grad = unit.local_grad
+        nbytes = unit.grad.numel() * unit.grad.element_size()
+        self._reducing.add(all_reduce_gradient(self.comm, unit.grad, async_op=self._reducing.overlaps(nbytes)), nbytes)
+
+    def _scatter(self, unit: Unit, grad: torch.Tensor, boundary: bool) -> None:
+        """Reduce-scatter `grad` (stages 2-3: this micro-step's, into the shard; stage 1: the accumulated
+        gradient, onto its own slice)."""
+        stage, comm = self.stage, self.comm
         nbytes = grad.numel() * grad.element_size()
         overlapped = self._reducing.overlaps(nbytes)
-        if not stage.shard_grads:
-            self.memory.track(grad, "grads")
-            unit.local_grad = grad if unit.local_grad is None else unit.local_grad.add_(grad)
-            if not boundary:
-                return
-            if not stage.shard_optimizer:
-                unit.grad = unit.local_grad
-                self._reducing.add(all_reduce_gradient(comm, unit.local_grad, async_op=overlapped), nbytes)
-                return
         self.memory.track(grad, "buffers" if stage.shard_grads else "grads")  # 2-3: only sent; 1: the gradient kept
         reduced = None  # ZeRO-1 keeps the full gradient: the reduced shard lands in its own slice
         if stage.shard_grads:
             with self.memory.category("grads"):
                 reduced = torch.empty(unit.layout.shard_numel, device=grad.device, dtype=grad.dtype)
-        sent = grad if stage.shard_grads else unit.local_grad
+        sent = grad
 
         def to_host():  # reduced for the last time: the gradient shard goes down to the host
             unit.grad = self.offload.gradient_down(unit.staging, unit.grad)

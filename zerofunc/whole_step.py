@@ -60,7 +60,7 @@ from torch.utils.checkpoint import checkpoint
 
 from sim.ledger import LedgerEntry
 from zerofunc.binding import installed
-from zerofunc.collectives import Group, ReducedGradient
+from zerofunc.collectives import Group, LeftOutGradient, ReducedGradient
 from zerofunc.comm_schedule import overlap
 from zerofunc.compiled_graphs import Collective, CompiledGraphs, with_own_code
 from zerofunc.recompute import head_settings, keep_attention_and_every_second_matmul, without_cache
@@ -222,6 +222,10 @@ class WholeStep:
         self._accumulated = dict(accumulated) if accumulated is not None else None  # each taken once
         views = self._whole_weights(root) if root is not None else {}
         loss = loss_of(functional_call(self.engine.model, views, args, kwargs, strict=False)).float()
+        for name, summed in (self._accumulated or {}).items():  # units this forward did not run, used before it
+            if summed is not None:
+                loss = LeftOutGradient.apply(loss, self.leaves[name], self.groups[name], summed,
+                                             self.stage.shard_optimizer)
         self._prefetched, self._accumulated = {}, None
         return loss
 
@@ -255,11 +259,9 @@ class WholeStep:
     def _update(self, state: OptimizerState) -> OptimizerState:
         opt = self.engine.optimizer
         units = self.trained
-        grads = [self.leaves[u.name].grad for u in units]
-        missing = [u.name or "<root>" for u, g in zip(units, grads) if g is None]
-        if missing:
-            raise RuntimeError(f"no gradient reached unit(s) {', '.join(missing)}: the compiled forward did not use "
-                               "their weights")
+        # a unit no micro-batch's forward ran: a zero gradient, as the eager step's (zerofunc/reduction.py, left_out)
+        grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                 for leaf in (self.leaves[u.name] for u in units)]
         for leaf in self.leaves.values():
             leaf.grad = None
         reduced, norm = self._reduce(grads)

@@ -226,11 +226,17 @@ PLANTS: list[Plant] = [
           "self._accumulated.pop(unit.name, None)", "self._accumulated.get(unit.name)",
           "compiled whole with the GPU's layout (stages 0-1 reduce in the boundary's backward), a block the forward "
           "runs three times gets the earlier micro-batches' gradient three times", "issue 31 (any nn.Module)",
-          ("tests/test_whole_step_models.py::test_a_block_run_again_compiled_whole_trains_like_eager",)),
+          ("tests/test_whole_step_models.py::test_blocks_run_unevenly_compiled_whole_train_like_eager",)),
     Plant("comm_schedule_completes_above_what_it_reads", "zerofunc/comm_schedule.py",
           "        if where[first] > max([where[completion[0]], *read]):", "        if where[first] > where[completion[0]]:",
           "a block run more than once reduces its gradient at each run, the reductions complete as one, and the "
           "schedule moves that completion above a later run's reduction: the compiled backward fails as it runs",
           "issue 31 (any nn.Module)",
-          ("tests/test_whole_step_models.py::test_a_block_run_again_compiled_whole_trains_like_eager",)),
+          ("tests/test_whole_step_models.py::test_blocks_run_unevenly_compiled_whole_train_like_eager",)),
+    Plant("whole_step_left_out_sum_dropped", "zerofunc/whole_step.py",
+          "            if summed is not None:\n                loss = LeftOutGradient",
+          "            if False:\n                loss = LeftOutGradient",
+          "compiled whole with the GPU's layout, a block the accumulation boundary's forward does not run loses the "
+          "earlier micro-batches' gradient: it steps on zeros", "issue 31 (any nn.Module)",
+          ("tests/test_whole_step_models.py::test_blocks_run_unevenly_compiled_whole_train_like_eager",)),
 ]
