@@ -56,14 +56,16 @@ class GradientReduction:
         either, give it a zero gradient, as DeepSpeed's `ignore_unused_parameters` does; no collective for zeros."""
         if unit.local_grad is not None:
             self._reduce_accumulated(unit)
-        elif unit.grad is None:
+        elif unit.grad is not None:  # stages 2-3: reduce-scattered at an earlier micro-step
+            self._reduced_for_the_step(unit)
+        else:
             sharded = self.stage.shard_optimizer
             with self.memory.category("grads"):
                 unit.grad = torch.zeros(unit.layout.shard_numel if sharded else unit.layout.padded_numel,
                                         dtype=reduced_dtype(unit.params.dtype, self.reduce_dtype),
                                         device=unit.params.device)
             if self.offload is not None:
-                unit.grad = self.offload.gradient_down(unit.staging, unit.grad)
+                self._to_host(unit)
 
     def _reduce_accumulated(self, unit: Unit) -> None:
         """Stages 0-1 at the boundary: the step's accumulated local gradient, all-reduced (stage 0) or reduced
@@ -88,24 +90,30 @@ class GradientReduction:
                 reduced = torch.empty(unit.layout.shard_numel, device=grad.device, dtype=grad.dtype)
         sent = grad
 
-        def to_host():  # reduced for the last time: the gradient shard goes down to the host
-            unit.grad = self.offload.gradient_down(unit.staging, unit.grad)
-
         def done():  # `sent` stays referenced, so allocated, until the reduce-scatter has finished with it
             if not stage.shard_grads:
                 unit.grad = shard(sent, comm.rank, comm.world_size)
             else:
                 unit.grad = reduced if unit.grad is None else unit.grad.add_(reduced)
-            then = to_host if self.offload is not None and boundary else None
-            if self.replicas is not None and boundary:
-                # the shard's mean over the replicas, once a step, in flight behind the rest of backward
-                shard_bytes = unit.grad.numel() * unit.grad.element_size()
-                self._reducing.add(average_over_replicas(self.replicas, unit.grad, async_op=
-                                                         self._reducing.overlaps(shard_bytes)), shard_bytes, then)
-            elif then is not None:
-                then()
+            if boundary:
+                self._reduced_for_the_step(unit)
 
         self._reducing.add(reduce_scatter_gradient(comm, reduced, sent, async_op=overlapped), nbytes, done)
+
+    def _reduced_for_the_step(self, unit: Unit) -> None:
+        """The unit's gradient shard is reduced over the shard group for the last time this step: hybrid sharding
+        averages it over the replicas, in flight behind the rest of backward; optimizer offload then takes it
+        down to the host."""
+        then = (lambda: self._to_host(unit)) if self.offload is not None else None
+        if self.replicas is not None:
+            shard_bytes = unit.grad.numel() * unit.grad.element_size()
+            self._reducing.add(average_over_replicas(self.replicas, unit.grad, async_op=
+                                                     self._reducing.overlaps(shard_bytes)), shard_bytes, then)
+        elif then is not None:
+            then()
+
+    def _to_host(self, unit: Unit) -> None:
+        unit.grad = self.offload.gradient_down(unit.staging, unit.grad)
 
     def drain(self) -> None:
         """Wait for every reduction in flight, in launch order (the same on every rank)."""

@@ -36,10 +36,11 @@ ENG, OPT, COMM, CKPT, FUSED = ("zerofunc/engine.py", "zerofunc/sharded_optim.py"
 RED = "zerofunc/reduction.py"
 HOOKS = "zerofunc/block_hooks.py"  # the engine's block hooks (a mixin of ZeroEngine's)
 PLAN, HYBRID_REPLICAS = "zerofunc/plan/simulation.py", (
-    "            if self.replicas is not None and boundary:\n"
-    "                # the shard's mean over the replicas, once a step, in flight behind the rest of backward\n"
-    "                shard_bytes = unit.grad.numel() * unit.grad.element_size()\n"
-    '                self._reducing.add(average_over_replicas(self.replicas, unit.grad, async_op=\n')
+    "        if self.replicas is not None:\n"
+    "            shard_bytes = unit.grad.numel() * unit.grad.element_size()\n"
+    '            self._reducing.add(average_over_replicas(self.replicas, unit.grad, async_op=\n')
+# where a unit's reduce-scatter ends: at the boundary, the replicas' average and offload follow
+REDUCED_AT_BOUNDARY = "            if boundary:\n                self._reduced_for_the_step(unit)\n"
 EQ1 = "tests/test_equivalence.py::test_every_stage_trains_like_one_device[1]"
 EQ2 = "tests/test_equivalence.py::test_every_stage_trains_like_one_device[2]"
 HYBRID2 = "tests/test_hybrid.py::test_hybrid_sharding_trains_like_one_device[2]"

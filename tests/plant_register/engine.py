@@ -1,7 +1,7 @@
 """The plant register: the engine: the review's plants (issue 30), equivalence, collectives, the levers."""
 from __future__ import annotations
 
-from tests.plant_register.common import Plant, ENG, HOOKS, RED, OPT, COMM, CKPT, HYBRID_REPLICAS, EQ1, EQ2, HYBRID2, SKIP_RESUME, FAST
+from tests.plant_register.common import Plant, ENG, HOOKS, RED, OPT, COMM, CKPT, HYBRID_REPLICAS, REDUCED_AT_BOUNDARY, EQ1, EQ2, HYBRID2, SKIP_RESUME, FAST
 
 PLANTS: list[Plant] = [
     # -- the review's plants (issue 30): caught by the tests issue 30 adds (tests/steps.py, test_hybrid, test_faults)
@@ -19,18 +19,18 @@ PLANTS: list[Plant] = [
           also=((ENG, "                                      self.offload)\n",
                  "                                      self.offload)\n"
                  "        self.optimizer.replicas = self.replicas\n"),)),
-    Plant("hybrid_replicas_every_micro_step", RED, HYBRID_REPLICAS,
-          HYBRID_REPLICAS.replace("is not None and boundary:", "is not None:"),
+    Plant("hybrid_replicas_every_micro_step", RED, REDUCED_AT_BOUNDARY,
+          REDUCED_AT_BOUNDARY.replace("if boundary:", "if boundary or self.replicas is not None:"),
           "the replicas' all-reduce runs every micro-step: the same numbers for twice the traffic",
           "issue 30 review", (HYBRID2,)),
     Plant("hybrid_offload_before_replicas_average", RED,
-          "            then = to_host if self.offload is not None and boundary else None\n",
-          "            then = None\n"
-          "            if self.offload is not None and boundary:  # down before the replicas' average\n"
-          "                device_grad = unit.grad\n"
-          "                to_host()\n"
-          "                host, unit.grad = unit.grad, device_grad\n"
-          "                then = lambda: setattr(unit, 'grad', host)  # noqa: E731\n",
+          "        then = (lambda: self._to_host(unit)) if self.offload is not None else None\n",
+          "        then = None\n"
+          "        if self.offload is not None:  # down before the replicas' average\n"
+          "            device_grad = unit.grad\n"
+          "            self._to_host(unit)\n"
+          "            host, unit.grad = unit.grad, device_grad\n"
+          "            then = lambda: setattr(unit, 'grad', host)  # noqa: E731\n",
           "hybrid sharding with optimizer offload updates from the un-averaged gradient shard",
           "issue 30 review", (HYBRID2,)),
     Plant("resume_step_as_optimizer_steps", CKPT,
@@ -47,9 +47,9 @@ PLANTS: list[Plant] = [
           "each rank's shard starts one element early: ranks overlap and one element is nobody's",
           "issue 22 note; TESTS.md", ("tests/test_layout.py",)),
     Plant("one_unit_reduction_skipped", RED,
-          '                self._reducing.add(all_reduce_gradient(comm, unit.local_grad, async_op=overlapped), nbytes)\n',
-          '                if unit.name != "":\n'
-          '                    self._reducing.add(all_reduce_gradient(comm, unit.local_grad, async_op=overlapped), nbytes)\n',
+          '        self._reducing.add(all_reduce_gradient(self.comm, unit.grad, async_op=self._reducing.overlaps(nbytes)), nbytes)\n',
+          '        if unit.name != "":\n'
+          '            self._reducing.add(all_reduce_gradient(self.comm, unit.grad, async_op=self._reducing.overlaps(nbytes)), nbytes)\n',
           "stage 0 never all-reduces the root unit's gradient: the embedding drifts apart on every rank",
           "issue 22 note; TESTS.md", (EQ2,)),
     Plant("clipping_before_the_reduction", ENG,
@@ -139,8 +139,8 @@ PLANTS: list[Plant] = [
           also=((ENG, "        return self.optimizer.step(state, lr)\n",
                  "        after = self.optimizer.step(state, lr)\n        self.reduction.drain()\n        return after\n"),)),
     Plant("stage3_block_kept_past_its_backward", ENG,
-          "            self.reduction.add(unit, grad, boundary)\n        self.gathering.release(unit)\n",
-          "            self.reduction.add(unit, grad, boundary)\n",
+          "            self.reduction.left_out(unit)\n        self.gathering.release(unit)\n",
+          "            self.reduction.left_out(unit)\n        if grad is None:\n            self.gathering.release(unit)\n",
           "stage 3 keeps each block gathered from its backward to the end of the step: by then the whole model",
           "issue 31",
           ("tests/test_overlap.py::test_stage_3_holds_at_most_one_block_and_its_prefetch_gathered",)),

@@ -52,8 +52,10 @@ PLANTS: list[Plant] = [
           "the adapter config says alpha = r: PEFT scales the adapters by 1, not alpha / r",
           "issue 32", (SOURCE,)),
     Plant("frozen_unit_not_released", "zerofunc/engine.py",
-          "        if grad is not None:\n            self.reduction.add(unit, grad, boundary)\n        self.gathering.release(unit)",
-          "        if grad is not None:\n            self.reduction.add(unit, grad, boundary)\n            self.gathering.release(unit)",
+          "        if grad is not None:\n            self.reduction.add(unit, grad, boundary)\n"
+          "        elif boundary and unit.numel:\n            self.reduction.left_out(unit)\n        self.gathering.release(unit)",
+          "        if grad is not None:\n            self.reduction.add(unit, grad, boundary)\n            self.gathering.release(unit)\n"
+          "        elif boundary and unit.numel:\n            self.reduction.left_out(unit)",
           "a stage-3 unit whose weights are all frozen is never released after backward: it stays gathered between "
           "steps, and the next step skips its gather (not the plan's collectives, nor its memory)",
           "issue 32", ("tests/test_check.py::test_lora_is_planned_to_the_byte_and_within_2_percent_step_after_step",)),

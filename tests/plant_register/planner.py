@@ -1,7 +1,7 @@
 """The plant register: the planner and the check."""
 from __future__ import annotations
 
-from tests.plant_register.common import Plant, ENG, RED, PLAN, HYBRID_REPLICAS, HYBRID2, FAST
+from tests.plant_register.common import Plant, ENG, RED, PLAN, HYBRID_REPLICAS, REDUCED_AT_BOUNDARY, HYBRID2, FAST
 
 PLANTS: list[Plant] = [
     # -- the planner and the check (issues 9, 22, 25) -----------------------------------------------------
@@ -50,14 +50,16 @@ PLANTS: list[Plant] = [
           "hpZ keeps its neighbour's part of the weights: backward gathers them in the wrong order",
           "issue 25 note", ("tests/test_hpz.py", *FAST)),
     Plant("hybrid_replicas_average_skipped", RED, HYBRID_REPLICAS,
-          HYBRID_REPLICAS.replace("and boundary:", "and boundary and False:"),
+          HYBRID_REPLICAS.replace("is not None:", "is not None and False:"),
           "hybrid sharding never averages over the replicas: each shard group trains on its own data",
           "issue 25 note", (HYBRID2,)),
     Plant("hybrid_replicas_summed_every_micro_step", RED, HYBRID_REPLICAS,
-          HYBRID_REPLICAS.replace("is not None and boundary:", "is not None:").replace(
+          HYBRID_REPLICAS.replace(
               "average_over_replicas(self.replicas, unit.grad, async_op=",
               'self.replicas.all_reduce(unit.grad, tag="grads.replicas", mean=False, async_op='),
-          "hybrid sharding sums over the replicas every micro-step, without the 1/N", "issue 25 note", (HYBRID2,)),
+          "hybrid sharding sums over the replicas every micro-step, without the 1/N", "issue 25 note", (HYBRID2,),
+          also=((RED, REDUCED_AT_BOUNDARY,
+                 REDUCED_AT_BOUNDARY.replace("if boundary:", "if boundary or self.replicas is not None:")),)),
     Plant("tracker_drops_gradients", "sim/memory.py",
           "            self._change(entry, category, entry[1], host)\n",
           "            self._change(entry, category, 0 if category == 'grads' else entry[1], host)\n",
