@@ -200,3 +200,32 @@ def test_units_that_share_a_weight_are_refused():
     would be gathered without it. Refused in one line, naming both."""
     said = in_world(1, _units_sharing_a_weight)[0]
     assert said.startswith("unit 'layers.4' shares its parameter 'weight' with unit 'layers.0'"), said
+
+
+def _partly_run_in_shard_groups(stage: int) -> float:
+    torch.manual_seed(0)
+    model = PartlyRunLM()
+    reference = copy.deepcopy(model)
+    engine = zerofunc.initialize(model, {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                                         "zero_optimization": {"stage": stage, "shard_group_size": 2,
+                                                               "offload_optimizer": {"device": "cpu"}},
+                                         "optimizer": OPTIM})
+    world, rank = engine.data_parallel_size, torch.distributed.get_rank()
+    gen = torch.Generator().manual_seed(1)
+    steps = []
+    for _ in range(3):
+        everyone = micro_batches("partly run", world, 2, gen)
+        steps.append(record_step(engine, everyone[rank::world], everyone))
+    return check_steps(reference, steps, f"partly run, hybrid stage {stage}, offload")
+
+
+def _partly_run_at_stages_2_and_3() -> list[float]:
+    return [_partly_run_in_shard_groups(stage) for stage in (2, 3)]
+
+
+@pytest.mark.slow
+def test_a_block_the_boundary_does_not_run_is_averaged_over_replicas_and_offloaded():
+    """4 gloo ranks in 2 shard groups of 2, optimizer offload: at stages 2-3 PartlyRunLM's second block is
+    reduce-scattered at the first micro-step only, and at the boundary its shard must still be averaged over
+    the replicas and taken down to the host; each step one device's within fp32 rounding (tests/steps.py)."""
+    assert len(in_world(4, _partly_run_at_stages_2_and_3)) == 4  # check_steps asserts inside every rank

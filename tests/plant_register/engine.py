@@ -1,7 +1,7 @@
 """The plant register: the engine: the review's plants (issue 30), equivalence, collectives, the levers."""
 from __future__ import annotations
 
-from tests.plant_register.common import Plant, ENG, HOOKS, RED, OPT, COMM, CKPT, HYBRID_REPLICAS, REDUCED_AT_BOUNDARY, EQ1, EQ2, HYBRID2, SKIP_RESUME, FAST
+from tests.plant_register.common import Plant, ENG, HOOKS, RED, OPT, COMM, CKPT, REDUCED_AT_BOUNDARY, EQ1, EQ2, HYBRID2, SKIP_RESUME, FAST
 
 PLANTS: list[Plant] = [
     # -- the review's plants (issue 30): caught by the tests issue 30 adds (tests/steps.py, test_hybrid, test_faults)
@@ -175,4 +175,13 @@ PLANTS: list[Plant] = [
           "step's earlier micro-steps' gradient unreduced at stages 0-1, and the engine refuses the step",
           "issue 31 (any nn.Module)",
           ("tests/test_api.py::test_initialize_trains_any_module_like_one_device[1-partly run-blocks4]",)),
+    Plant("block_not_run_at_the_boundary_not_averaged_over_replicas", RED,
+          "        elif unit.grad is not None:  # stages 2-3: reduce-scattered at an earlier micro-step\n"
+          "            self._reduced_for_the_step(unit)\n",
+          "        elif unit.grad is not None:  # stages 2-3: reduce-scattered at an earlier micro-step\n"
+          "            pass\n",
+          "under hybrid sharding, a block the accumulation boundary's forward does not run keeps its shard group's "
+          "gradient: never averaged over the replicas (nor offloaded), each group steps it on its own data",
+          "issue 31 (any nn.Module)",
+          ("tests/test_api.py::test_a_block_the_boundary_does_not_run_is_averaged_over_replicas_and_offloaded",)),
 ]
