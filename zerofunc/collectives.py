@@ -199,20 +199,11 @@ class ReducedGradient(torch.autograd.Function):
         return reduced_gradient(grad, ctx.group, ctx.scatter), None, None, None, None
 
 
-class LeftOutGradient(torch.autograd.Function):
-    """The loss, as it is; its backward reduces `accumulated` onto `leaf` as ReducedGradient's would: a unit the
-    accumulation boundary's forward did not run still has the earlier micro-batches' sum to reduce."""
-
-    @staticmethod
-    def forward(loss, leaf, group, accumulated, scatter):
-        return loss.clone()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, _, ctx.group, accumulated, ctx.scatter = inputs
-        ctx.save_for_backward(accumulated)
+class LeftOutGradient(ReducedGradient):
+    """ReducedGradient for a unit the accumulation boundary's forward did not run: `whole` is the loss, passed
+    on as it is, and backward reduces the earlier micro-batches' sum `accumulated` onto `leaf` alone."""
 
     @staticmethod
     def backward(ctx, grad):
         accumulated, = ctx.saved_tensors
-        return grad, reduced_gradient(accumulated, ctx.group, ctx.scatter), None, None, None
+        return reduced_gradient(accumulated, ctx.group, ctx.scatter), grad, None, None, None

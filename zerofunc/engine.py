@@ -298,4 +298,3 @@ def _outside_the_engine(leaf: torch.Tensor) -> None:
     a plain backward reaches): the gradient would be kept but never reduced or stepped."""
     leaf.grad = None
     raise RuntimeError("backward ran outside the engine: call engine.backward(loss), not loss.backward()")
-

@@ -77,18 +77,17 @@ class GradientReduction:
         nbytes = unit.grad.numel() * unit.grad.element_size()
         self._reducing.add(all_reduce_gradient(self.comm, unit.grad, async_op=self._reducing.overlaps(nbytes)), nbytes)
 
-    def _scatter(self, unit: Unit, grad: torch.Tensor, boundary: bool) -> None:
-        """Reduce-scatter `grad` (stages 2-3: this micro-step's, into the shard; stage 1: the accumulated
+    def _scatter(self, unit: Unit, sent: torch.Tensor, boundary: bool) -> None:
+        """Reduce-scatter `sent` (stages 2-3: this micro-step's, into the shard; stage 1: the accumulated
         gradient, onto its own slice)."""
         stage, comm = self.stage, self.comm
-        nbytes = grad.numel() * grad.element_size()
+        nbytes = sent.numel() * sent.element_size()
         overlapped = self._reducing.overlaps(nbytes)
-        self.memory.track(grad, "buffers" if stage.shard_grads else "grads")  # 2-3: only sent; 1: the gradient kept
+        self.memory.track(sent, "buffers" if stage.shard_grads else "grads")  # 2-3: only sent; 1: the gradient kept
         reduced = None  # ZeRO-1 keeps the full gradient: the reduced shard lands in its own slice
         if stage.shard_grads:
             with self.memory.category("grads"):
-                reduced = torch.empty(unit.layout.shard_numel, device=grad.device, dtype=grad.dtype)
-        sent = grad
+                reduced = torch.empty(unit.layout.shard_numel, device=sent.device, dtype=sent.dtype)
 
         def done():  # `sent` stays referenced, so allocated, until the reduce-scatter has finished with it
             if not stage.shard_grads:

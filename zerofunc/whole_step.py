@@ -224,7 +224,7 @@ class WholeStep:
         loss = loss_of(functional_call(self.engine.model, views, args, kwargs, strict=False)).float()
         for name, summed in (self._accumulated or {}).items():  # units this forward did not run, used before it
             if summed is not None:
-                loss = LeftOutGradient.apply(loss, self.leaves[name], self.groups[name], summed,
+                loss = LeftOutGradient.apply(self.leaves[name], loss, self.groups[name], summed,
                                              self.stage.shard_optimizer)
         self._prefetched, self._accumulated = {}, None
         return loss

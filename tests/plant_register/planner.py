@@ -6,7 +6,7 @@ from tests.plant_register.common import Plant, ENG, RED, PLAN, HYBRID_REPLICAS, 
 PLANTS: list[Plant] = [
     # -- the planner and the check (issues 9, 22, 25) -----------------------------------------------------
     Plant("stage1_gradient_counted_as_buffers", RED,
-          'self.memory.track(grad, "buffers" if stage.shard_grads else "grads")', 'self.memory.track(grad, "buffers")',
+          'self.memory.track(sent, "buffers" if stage.shard_grads else "grads")', 'self.memory.track(sent, "buffers")',
           "the plan shows stage 1's whole local gradient as buffers, not gradients", "issue 22 note",
           ("tests/test_plan.py", *FAST)),
     Plant("plan_fp16_as_bf16", PLAN, "engine = initialize(model, plan.zero_config(),",
