@@ -53,10 +53,10 @@ PLANTS: list[Plant] = [
           "stage 0 never all-reduces the root unit's gradient: the embedding drifts apart on every rank",
           "issue 22 note; TESTS.md", (EQ2,)),
     Plant("clipping_before_the_reduction", ENG,
-          "        self.reduction.add(unit, grad, boundary)\n",
-          "        if self.optimizer.clip and grad.device.type != 'meta':  # each local gradient clipped on its own\n"
-          "            grad = grad * min(1.0, self.optimizer.clip / (float(grad.norm()) + 1e-6))\n"
-          "        self.reduction.add(unit, grad, boundary)\n",
+          "            self.reduction.add(unit, grad, boundary)\n",
+          "            if self.optimizer.clip and grad.device.type != 'meta':  # each local gradient clipped on its own\n"
+          "                grad = grad * min(1.0, self.optimizer.clip / (float(grad.norm()) + 1e-6))\n"
+          "            self.reduction.add(unit, grad, boundary)\n",
           "each rank clips its local gradient by its own norm before the reduction, not the global one after it",
           "issue 22 note; TESTS.md", (EQ1,)),
     Plant("every_micro_step_a_boundary", "zerofunc/step.py",
