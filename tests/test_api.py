@@ -180,6 +180,13 @@ def test_initialize_trains_any_module_like_one_device(four_lines_world, stage, k
         assert same_start
 
 
+def test_initialize_refuses_a_compiled_module():
+    """torch.compile(model) would trace the engine's block hooks into dynamo, which fails deep inside the first
+    forward: refused at once, in one line that says how to compile instead."""
+    with pytest.raises(ValueError, match=r"^initialize takes the model itself, not torch.compile\(model\)"):
+        zerofunc.initialize(torch.compile(ResidualMLP()), {"train_batch_size": 1})
+
+
 def test_initialize_rejects_a_bad_config():
     with pytest.raises(zerofunc.ConfigError, match="unknown config key 'zero_optimisation'"):
         zerofunc.initialize(ResidualMLP(), {"train_batch_size": 1, "zero_optimisation": {"stage": 2}})

@@ -35,6 +35,9 @@ def initialize(model: nn.Module, config: dict | str | Path | Config, *, device: 
     neither; by default blocks on CUDA only (on CPU inductor emits C++, and a first compile costs more than
     a short run saves).
     """
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):  # its forward would trace the engine's hooks
+        raise ValueError("initialize takes the model itself, not torch.compile(model): set compile= or the config's "
+                         "\"compile\" (\"blocks\" or \"whole\") to compile the step")
     world = comm.world_size if comm is not None else dist.get_world_size() if dist.is_initialized() else 1
     cfg = config if isinstance(config, Config) else parse(config, world)  # bad input fails before any set-up
     if comm is None and not dist.is_initialized():

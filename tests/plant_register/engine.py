@@ -168,6 +168,10 @@ PLANTS: list[Plant] = [
           "a block the forward runs more than once (weights shared across depth, as ALBERT's) is reduced at each "
           "run's segment: stage 0 all-reduces a gradient that later runs still add to, and trains it wrong",
           "issue 31 (any nn.Module)", ("tests/test_api.py::test_initialize_trains_any_module_like_one_device[0-reused-blocks3]",)),
+    Plant("compiled_module_taken", "zerofunc/api.py",
+          "    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):", "    if False:",
+          "initialize takes torch.compile(model), whose first forward then fails deep inside dynamo on the engine's "
+          "block hooks", "issue 31 (any nn.Module)", ("tests/test_api.py::test_initialize_refuses_a_compiled_module",)),
     Plant("block_not_run_at_the_boundary_left_unreduced", ENG,
           "            for unit in (u for u in self.gathering.blocks if boundary and u.name not in first_run):  # not run\n",
           "            for unit in ():\n",
