@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import zerofunc
 from tests.bare import in_world
 from tests.steps import check_steps, ignore_some, record_step
+from zerofunc.step import train_step
 from zerofunc.stages import STAGES
 
 
@@ -185,6 +186,35 @@ def test_initialize_refuses_a_compiled_module():
     forward: refused at once, in one line that says how to compile instead."""
     with pytest.raises(ValueError, match=r"^initialize takes the model itself, not torch.compile\(model\)"):
         zerofunc.initialize(torch.compile(ResidualMLP()), {"train_batch_size": 1})
+
+
+class ReadsABlockWeight(TokenMLP):
+    """TokenMLP whose loss adds a penalty on its first block's weight, read outside the block's forward."""
+
+    def forward(self, idx, targets, num_items_in_batch=None):
+        return super().forward(idx, targets, num_items_in_batch) + 0.01 * self.blocks[0][1].weight.pow(2).sum()
+
+
+def _a_weight_read_outside_its_block() -> list[str]:
+    said = []
+    for unit_names in (None, ["blocks.1"]):
+        torch.manual_seed(0)
+        engine = zerofunc.initialize(ReadsABlockWeight(), {"train_micro_batch_size_per_gpu": 2, "optimizer": OPTIM,
+                                                           "zero_optimization": {"stage": 3}}, unit_names=unit_names)
+        try:
+            said.append(f"loss {train_step(engine, micro_batches('tokens', 1, 1, torch.Generator())).item():.3f}")
+        except ValueError as e:
+            said.append(str(e))
+    return said
+
+
+def test_a_block_weight_read_outside_the_block_is_refused_in_one_line():
+    """A forward that reads a block's weight outside the block's forward, where the engine has not bound it (its
+    module holds a released placeholder): refused in one line that names the weight (it failed later, on a meta
+    tensor, at some other op), and the remedy it names, the block left out of unit_names=, trains."""
+    refused, remedied = in_world(1, _a_weight_read_outside_its_block)[0]
+    assert refused.startswith("the forward read blocks.0.1.weight outside its block's forward"), refused
+    assert remedied.startswith("loss "), remedied
 
 
 def test_initialize_rejects_a_bad_config():

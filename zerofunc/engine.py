@@ -187,7 +187,7 @@ class ZeroEngine(BlockHooks, WholeState):
         if self._root is not None:
             self.gathering.gather(self._root, "params.fwd")
             views = self._unit_views(self._root)
-        self._tape = Tape(_outside_the_engine) if torch.is_grad_enabled() else None  # an evaluation has no backward to cut
+        self._tape = Tape(_outside_the_engine, self._read_unbound) if torch.is_grad_enabled() else None  # none to cut
         try:
             with self.memory.category("activations"), contextlib.ExitStack() as stack:
                 stack.enter_context(installed(self._forwards, self._pre_hooks, self._post_hooks, self._settings))
@@ -202,6 +202,11 @@ class ZeroEngine(BlockHooks, WholeState):
         if self._root is not None:
             self.gathering.release(self._root, after_forward=True)
         return out
+
+    def _read_unbound(self, p: torch.Tensor) -> None:
+        raise ValueError(f"the forward read {next((n for n, q in self.model.named_parameters() if q is p), p.shape)} "
+                         "outside its block's forward, where the engine's shards hold it: read it inside the block, or "
+                         "leave the block out of unit_names= (its weights then stay in the root unit)")
 
     # ---- backward ----------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:

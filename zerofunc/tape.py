@@ -105,11 +105,13 @@ class Tape(TorchFunctionMode):
     # calling thread (see `grad`): for benchmarks/step_overhead.py, which times the step both ways.
     worker_thread = False
 
-    def __init__(self, on_plain_backward: Optional[Callable[[torch.Tensor], None]] = None) -> None:
+    def __init__(self, on_plain_backward: Optional[Callable[[torch.Tensor], None]] = None,
+                 on_module_parameter: Optional[Callable[[torch.Tensor], None]] = None) -> None:
         """`on_plain_backward(leaf)`: called should a plain `.backward()` reach a leaf of the tape's (it is
-        differentiated with `grad`, a segment at a time); it may raise."""
+        differentiated with `grad`, a segment at a time); `on_module_parameter(p)`: should an operation take
+        an `nn.Parameter` (the step computes with views of its buffers, never the module's own). Both may raise."""
         super().__init__()
-        self._on_plain_backward = on_plain_backward
+        self._on_plain_backward, self._on_module_parameter = on_plain_backward, on_module_parameter
         self._differentiating = False
         self._id = next(Tape._ids)  # what tensors are tagged with: not the tape, which they would keep alive
         self.segments: list[Segment] = [Segment(0, None)]
@@ -222,6 +224,8 @@ class Tape(TorchFunctionMode):
 
     def _take_arg(self, a):
         if isinstance(a, torch.Tensor):
+            if type(a) is torch.nn.Parameter and self._on_module_parameter is not None:
+                self._on_module_parameter(a)
             return self._take(a) if a.requires_grad else a
         if isinstance(a, (tuple, list)) and a:
             if not any(isinstance(x, (torch.Tensor, tuple, list, dict)) for x in a):

@@ -172,6 +172,12 @@ PLANTS: list[Plant] = [
           "    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):", "    if False:",
           "initialize takes torch.compile(model), whose first forward then fails deep inside dynamo on the engine's "
           "block hooks", "issue 31 (any nn.Module)", ("tests/test_api.py::test_initialize_refuses_a_compiled_module",)),
+    Plant("block_weight_read_outside_unchecked", "zerofunc/tape.py",
+          "            if type(a) is torch.nn.Parameter and self._on_module_parameter is not None:",
+          "            if False:",
+          "a forward that reads a block's weight outside the block computes with the module's released placeholder "
+          "and fails later, at some other op, on a meta tensor", "issue 31 (any nn.Module)",
+          ("tests/test_api.py::test_a_block_weight_read_outside_the_block_is_refused_in_one_line",)),
     Plant("block_not_run_at_the_boundary_left_unreduced", ENG,
           "            for unit in (u for u in self.gathering.blocks if boundary and u.name not in first_run):  # not run\n",
           "            for unit in ():\n",
