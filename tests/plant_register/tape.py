@@ -27,7 +27,7 @@ PLANTS: list[Plant] = [
           "issue 31, CUDA run 2",
           ("tests/test_launch.py::test_the_ranks_fork_server_imports_without_asking_cuda_anything",)),
     Plant("tape_lets_a_plain_backward_through", "zerofunc/engine.py",
-          "Tape(_outside_the_engine)", "Tape()",
+          "Tape(_outside_the_engine, self._read_unbound)", "Tape(None, self._read_unbound)",
           "loss.backward() reaches only the last segment's leaves (a head without weights): it trains nothing, silently",
           "issue 31", ("tests/test_engine_misuse.py::test_misuse_fails_loudly_and_a_failed_forward_leaves_no_trace",)),
     Plant("tape_lets_a_block_read_past_its_arguments", "zerofunc/tape.py",
