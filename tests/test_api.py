@@ -136,18 +136,24 @@ def four_lines(stage: int, accum: int, kind: str):
     reference = copy.deepcopy(model)
     engine = zerofunc.initialize(model, {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": accum,
                                          "zero_optimization": {"stage": stage}, "optimizer": OPTIM})
-    rank, world = engine.comm.rank, engine.comm.world_size
     units = [u.name for u in engine.units]
     released = all(p.device.type == "meta" for p in model.parameters())
     initial = engine.full_parameters()
     same_start = all(torch.equal(initial[n], p.detach()) for n, p in reference.named_parameters())
+    steps_like_one_device(engine, reference, kind, accum, f"{kind}, stage {stage}")
+    return units, released, same_start
+
+
+def steps_like_one_device(engine, reference: nn.Module, kind: str, accum: int, what: str) -> float:
+    """3 steps of `engine` on `kind`'s micro-batches, micro-step j of data-parallel rank r taking j * N + r, each
+    held to `reference` on one device (tests/steps.py); the largest fraction of a budget used."""
+    world, rank = engine.data_parallel_size, torch.distributed.get_rank()
     gen = torch.Generator().manual_seed(1)
     steps = []
     for _ in range(3):
         everyone = micro_batches(kind, world, accum, gen)
-        steps.append(record_step(engine, everyone[rank::world], everyone))  # micro-step j of rank r: j*N + r
-    check_steps(reference, steps, f"{kind}, stage {stage}")
-    return units, released, same_start
+        steps.append(record_step(engine, everyone[rank::world], everyone))
+    return check_steps(reference, steps, what)
 
 
 def every_stage(accum: int) -> dict[str, list]:
@@ -247,13 +253,7 @@ def _partly_run_in_shard_groups(stage: int) -> float:
                                          "zero_optimization": {"stage": stage, "shard_group_size": 2,
                                                                "offload_optimizer": {"device": "cpu"}},
                                          "optimizer": OPTIM})
-    world, rank = engine.data_parallel_size, torch.distributed.get_rank()
-    gen = torch.Generator().manual_seed(1)
-    steps = []
-    for _ in range(3):
-        everyone = micro_batches("partly run", world, 2, gen)
-        steps.append(record_step(engine, everyone[rank::world], everyone))
-    return check_steps(reference, steps, f"partly run, hybrid stage {stage}, offload")
+    return steps_like_one_device(engine, reference, "partly run", 2, f"partly run, hybrid stage {stage}, offload")
 
 
 def _partly_run_at_stages_2_and_3() -> list[float]:

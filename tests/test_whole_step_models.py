@@ -13,6 +13,10 @@ from zerofunc.models import GPT, GPTConfig
 from zerofunc.stages import STAGES
 from zerofunc.step import train_step
 
+# tests/bare.py's optimizer, as a DeepSpeed config says it
+OPTIMIZER = {"type": "AdamW", "params": {"lr": OPTIM.lr, "betas": list(OPTIM.betas), "eps": OPTIM.eps,
+                                         "weight_decay": OPTIM.weight_decay}}
+
 
 def _hugging_face_gpt2(stage: int):
     import zerofunc
@@ -25,8 +29,7 @@ def _hugging_face_gpt2(stage: int):
         engine = zerofunc.initialize(hf_model("gpt2"), {
             "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": CLIP,
             "zero_optimization": {"stage": stage}, "compile": compile,
-            "optimizer": {"type": "AdamW", "params": {"lr": OPTIM.lr, "betas": list(OPTIM.betas), "eps": OPTIM.eps,
-                                                      "weight_decay": OPTIM.weight_decay}}})
+            "optimizer": OPTIMIZER})
         g = torch.Generator().manual_seed(engine.comm.rank)
         losses = []
         for _ in range(STEPS):
@@ -63,8 +66,7 @@ def _blocks_run_unevenly(stage: int, kind: str):
         engine = zerofunc.initialize(MODULES[kind](), {
             "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": CLIP,
             "zero_optimization": {"stage": stage}, "compile": compile,
-            "optimizer": {"type": "AdamW", "params": {"lr": OPTIM.lr, "betas": list(OPTIM.betas), "eps": OPTIM.eps,
-                                                      "weight_decay": OPTIM.weight_decay}}})
+            "optimizer": OPTIMIZER})
         rank, world = engine.comm.rank, engine.comm.world_size
         gen, losses, norms = torch.Generator().manual_seed(1), [], []
         for _ in range(STEPS):

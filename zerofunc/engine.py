@@ -240,8 +240,8 @@ class ZeroEngine(BlockHooks, WholeState):
                 unit = self._unit_named[segment.unit] if segment.unit is not None else None
                 if unit is not None and self._regather_before_backward:
                     self.gathering.regather(unit)
-                grads = tape.grad(segment, [u.weights for u in (unit, root) if u is not None])
-                for name, g in zip([n for n, u in ((segment.unit, unit), (None, root)) if u is not None], grads):
+                owners = [(name, u) for name, u in ((segment.unit, unit), (None, root)) if u is not None]
+                for (name, _), g in zip(owners, tape.grad(segment, [u.weights for _, u in owners])):
                     if g is not None:
                         held[name] = held[name].add_(g) if name in held else g
                 if unit is not None and segment.index == first_run[unit.name]:

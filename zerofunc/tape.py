@@ -61,6 +61,7 @@ _METADATA = frozenset(
     + [getattr(torch.Tensor, m) for m in ("size", "dim", "stride", "numel", "data_ptr", "untyped_storage",
                                           "element_size", "is_contiguous", "storage_offset", "is_floating_point",
                                           "__len__")])
+_PARAMETER = torch.nn.Parameter  # a module's own weight, which the step never computes with (see Tape.__init__)
 _NODE_TAG = "zerofunc_segment"  # in an autograd node's metadata: the (tape, segment) that made it
 
 
@@ -224,7 +225,7 @@ class Tape(TorchFunctionMode):
 
     def _take_arg(self, a):
         if isinstance(a, torch.Tensor):
-            if type(a) is torch.nn.Parameter and self._on_module_parameter is not None:
+            if type(a) is _PARAMETER and self._on_module_parameter is not None:
                 self._on_module_parameter(a)
             return self._take(a) if a.requires_grad else a
         if isinstance(a, (tuple, list)) and a:

@@ -173,7 +173,7 @@ PLANTS: list[Plant] = [
           "initialize takes torch.compile(model), whose first forward then fails deep inside dynamo on the engine's "
           "block hooks", "issue 31 (any nn.Module)", ("tests/test_api.py::test_initialize_refuses_a_compiled_module",)),
     Plant("block_weight_read_outside_unchecked", "zerofunc/tape.py",
-          "            if type(a) is torch.nn.Parameter and self._on_module_parameter is not None:",
+          "            if type(a) is _PARAMETER and self._on_module_parameter is not None:",
           "            if False:",
           "a forward that reads a block's weight outside the block computes with the module's released placeholder "
           "and fails later, at some other op, on a meta tensor", "issue 31 (any nn.Module)",
