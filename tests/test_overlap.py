@@ -7,12 +7,14 @@ what the planner records, in test_ledger.py.
 from __future__ import annotations
 
 from collections import Counter
+from fractions import Fraction
 from dataclasses import replace
 
 import pytest
 import torch
 
 from sim.hardware import get_profile
+from tests.test_api import TokenMLP
 from zerofunc.comm import GLOO_STAGING
 from zerofunc.layout import FlatLayout
 from zerofunc.models import GPT, GPTConfig
@@ -217,3 +219,77 @@ def test_stage_3_holds_at_most_one_block_and_its_prefetch_gathered(most_gathered
     most, bound = most_gathered[overlap_comm, checkpointing]
     assert bound == (2 if overlap_comm else 1)
     assert most == bound, f"{most} of {CFG.n_layer} blocks gathered at once, against 1 + prefetch depth = {bound}"
+
+
+class Ordered(TokenMLP):
+    """TokenMLP with four blocks, whose forward runs them in `order`: not the modules' order, one more than once,
+    one not at all."""
+
+    def __init__(self, order: tuple[int, ...]):
+        super().__init__(depth=4)
+        self.order = order
+
+    def runs(self, idx: torch.Tensor) -> list:
+        return [self.blocks[i] for i in self.order]
+
+
+ORDERS = {"modules'": (0, 1, 2, 3), "reversed": (3, 2, 1, 0), "one run again": (0, 1, 2, 3, 0, 0),
+          "one not run": (0, 2, 3)}
+
+
+def _gathers_in_order(order: tuple[int, ...], overlap_comm: bool) -> tuple[int, int, list[tuple[int, int]]]:
+    """Three stage-3 steps of `Ordered(order)` as rank 0 of a simulated world of 3: (the most blocks gathered at
+    once, 1 + the prefetch depth, each step's (forward, backward) gathers as the ledger has them)."""
+    from zerofunc.api import initialize
+    from zerofunc.check.world import simulated_world
+    from zerofunc.step import train_step
+
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3, "overlap_comm": overlap_comm}}
+    torch.manual_seed(0)
+    with simulated_world(3) as comm:
+        engine = initialize(Ordered(order), config, comm=comm, device="cpu")
+        gathering, most = engine.gathering, 0
+        for name in ("gather", "release"):
+            def counted(*args, real=getattr(gathering, name), **kwargs):
+                nonlocal most
+                real(*args, **kwargs)
+                most = max(most, sum(u.gathered for u in gathering.blocks))
+            setattr(gathering, name, counted)
+        ids, steps = torch.randint(0, 19, (2, 7)), []
+        for _ in range(3):
+            before = len(comm.ledger.entries)
+            train_step(engine, [(ids[:, :-1], ids[:, 1:])])
+            gathers = Counter()  # on gloo a gather is one broadcast per rank (zerofunc/comm.py)
+            for e in comm.ledger.entries[before:]:
+                gathers[e.tag] += {"all_gather": 1, "broadcast": Fraction(1, e.group_size)}.get(e.op, 0)
+            steps.append((gathers["params.fwd"], gathers["params.bwd"]))
+        return most, 1 + gathering.overlap.prefetch_depth, steps
+
+
+@pytest.fixture(scope="module")
+def gathers_in_order() -> dict:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return {(name, overlap_comm): pool.submit(_gathers_in_order, ORDERS[name], overlap_comm).result()
+                for name in ORDERS for overlap_comm in (False, True)}
+
+
+@pytest.mark.parametrize("overlap_comm", [False, True], ids=["depth-0", "depth-1"])
+@pytest.mark.parametrize("name", ORDERS)
+def test_stage_3_prefetches_in_the_order_the_forward_runs_its_blocks(gathers_in_order, name, overlap_comm):
+    """Any nn.Module's forward picks its blocks' order: stage 3 prefetches what ran next in the last forward
+    (DeepSpeed's trace). Its first step guesses the modules' order, and a wrong guess costs a gather, never
+    memory: the gathered blocks stay the one computing and the prefetch depth. Once the order is learned, each
+    run of a block is gathered once in forward and once in backward (a block run twice in a row once: it is
+    kept), as are the embeddings and head (the root unit); prefetching in the modules' order instead gathers
+    blocks that do not run next, and holds them."""
+    order = ORDERS[name]
+    most, bound, steps = gathers_in_order[name, overlap_comm]
+    assert most <= bound, f"{most} blocks gathered at once, against 1 + prefetch depth = {bound}"
+    runs = 1 + sum(1 for i, b in enumerate(order) if i == 0 or order[i - 1] != b)  # the root, then each block's runs
+    assert steps[1:] == [(runs, runs)] * 2
+    if name == "modules'":  # the first step's guess is right
+        assert steps[0] == (runs, runs)

@@ -29,6 +29,7 @@ class BlockHooks:
                 unit.bound = None
         for unit in self.units:
             self.gathering.release(unit)
+        self.gathering.start_forward()
 
     def _unseen_by_the_tape(self, forward):
         """A block runs as one operation of the tape's: its arguments are taken, its results tagged, and
@@ -56,8 +57,7 @@ class BlockHooks:
             if self._tape is not None:
                 self._tape.open(unit.name)
             with self._engine_work():
-                self.gathering.gather(unit, "params.fwd")
-                self.gathering.prefetch(unit, +1, "params.fwd")
+                self.gathering.enter(unit)
                 unit.bound = bind(self.model, self._unit_views(unit))
         return hook
 
@@ -68,7 +68,7 @@ class BlockHooks:
             with self._engine_work():
                 bind(self.model, unit.bound)
                 unit.bound = None
-                self.gathering.release(unit, after_forward=True)
+                self.gathering.leave(unit)
         return hook
 
     def _engine_work(self):

@@ -188,6 +188,7 @@ class ZeroEngine(BlockHooks, WholeState):
             self.gathering.gather(self._root, "params.fwd")
             views = self._unit_views(self._root)
         self._tape = Tape(_outside_the_engine, self._read_unbound) if torch.is_grad_enabled() else None  # none to cut
+        self.gathering.start_forward()
         try:
             with self.memory.category("activations"), contextlib.ExitStack() as stack:
                 stack.enter_context(installed(self._forwards, self._pre_hooks, self._post_hooks, self._settings))
@@ -199,6 +200,7 @@ class ZeroEngine(BlockHooks, WholeState):
         except BaseException:
             self._abandon_forward()
             raise
+        self.gathering.end_forward()
         if self._root is not None:
             self.gathering.release(self._root, after_forward=True)
         return out
@@ -235,9 +237,12 @@ class ZeroEngine(BlockHooks, WholeState):
         # first run's segment: its gradient is summed until then, and reduced once, as the root's is
         first_run = {segment.unit: segment.index for segment in reversed(tape.segments)}
         held: dict = {}  # a block's name (the root's: None) -> its gradient over the segments differentiated so far
+        self.gathering.start_backward([self._unit_named[s.unit] for s in reversed(tape.segments) if s.unit is not None])
         with self.memory.category("activations"):
             for segment in reversed(tape.segments):
                 unit = self._unit_named[segment.unit] if segment.unit is not None else None
+                if unit is not None:
+                    self.gathering.enter_backward(unit)
                 if unit is not None and self._regather_before_backward:
                     self.gathering.regather(unit)
                 owners = [(name, u) for name, u in ((segment.unit, unit), (None, root)) if u is not None]
@@ -247,13 +252,13 @@ class ZeroEngine(BlockHooks, WholeState):
                 if unit is not None and segment.index == first_run[unit.name]:
                     self._unit_done(unit, held.pop(unit.name, None), boundary)
                 elif unit is not None:
-                    self.gathering.release(unit)  # backward reaches its earlier run later, and gathers it again
+                    self.gathering.leave(unit)  # backward reaches its earlier run later
             if root is not None:
                 self._unit_done(root, held.pop(None, None), boundary)
             for unit in (u for u in self.gathering.blocks if boundary and u.name not in first_run):  # not run
                 self._unit_done(unit, None, boundary)
         self.reduction.drain()
-        self.gathering.release_blocks()
+        self.gathering.end_backward()
 
     def _unit_done(self, unit: Unit, grad: Optional[torch.Tensor], boundary: bool) -> None:
         """Backward is done with the unit: reduce its gradient of this micro-step as the stage says
@@ -263,7 +268,7 @@ class ZeroEngine(BlockHooks, WholeState):
             self.reduction.add(unit, grad, boundary)
         elif boundary and unit.numel:
             self.reduction.left_out(unit)
-        self.gathering.release(unit)
+        self.gathering.leave(unit)
 
     @property
     def data_parallel_size(self) -> int:

@@ -8,8 +8,14 @@ every view of it stays valid and is filled again by the next gather.
 Backward needs a block's weights again. Eager autograd unpacks them through the
 saved-tensor hooks below, which notice a weight of a released unit and gather it; a
 compiled block saves its weights where those hooks cannot see, so the engine gathers it
-in a backward pre-hook instead (`regather`). Either way, the blocks backward reaches
-next are prefetched (`Overlap.prefetch_depth` of them), in forward order or in reverse.
+before differentiating its segment instead (`regather`).
+
+While a block computes, the `Overlap.prefetch_depth` blocks that run after it are gathered. Any
+nn.Module's forward may run its blocks in any order, one more than once (weights shared across
+depth), one not at all: forward predicts from the order the blocks ran in the last forward (at
+first, the modules' order), as DeepSpeed's stage 3 traces it, and releases a prefetched block
+that is no longer predicted, so a wrong guess costs a gather, never memory; backward knows its
+order, the forward's reversed. A block that runs again next is kept, not released and gathered.
 
 hpZ (ZeRO++'s `zero_hpz_partition_size`, FSDP2's `reshard_after_forward=k`): where a
 `secondary` group of k consecutive ranks is given (a node, inside the shard group), forward's
@@ -23,6 +29,7 @@ buffer), and every method here does nothing.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Optional
 
 import torch
@@ -55,6 +62,14 @@ class UnitGathering:
         self._hooks = (self._pack, self._unpack)  # autograd's saved-tensor hooks (keep_hooks_from_dynamo)
         self.blocks = [u for u in units if u.name != ""]
         self._block_index = {id(u): i for i, u in enumerate(self.blocks)}
+        self.order = list(self.blocks)  # the blocks in the order the last forward ran them
+        self._runs: list[Unit] = []  # this forward's blocks so far; in backward, the order it reaches them in
+        self._at = -1  # backward: the position in `_runs` of the block it differentiates
+        # the blocks predicted to run next: the prefetch depth's (gathered ahead, or kept), and at least one, so
+        # that a block that runs again next is kept gathered at any depth
+        self._ahead: list[Unit] = []
+        self._window = max(1, overlap.prefetch_depth)
+        self._forward = True
         # a weight's view: its base is the unit's leaf, or a frozen part's buffer
         self._by_buffer = {id(u.weights): u for u in units} | {id(u.frozen.full): u for u in units
                                                                 if u.frozen is not None and stage.shard_params}
@@ -107,15 +122,65 @@ class UnitGathering:
         unit.gathering = None
         self._drop_node_copies(unit)
 
-    def prefetch(self, unit: Unit, direction: int, tag: str) -> None:
-        """Start gathering the `prefetch_depth` blocks that run after `unit` (direction +1 in forward,
-        -1 in backward)."""
-        if not self.stage.shard_params or unit.name == "":
-            return
-        i = self._block_index[id(unit)]
-        for k in range(i + direction, i + direction * (self.overlap.prefetch_depth + 1), direction):
-            if 0 <= k < len(self.blocks):
-                self.gather(self.blocks[k], tag, prefetch=True)
+    # ---- the order blocks run in: forward ----------------------------------------------------------------
+    def start_forward(self) -> None:
+        self._runs, self._at, self._ahead, self._forward = [], -1, [], True
+
+    def enter(self, unit: Unit) -> None:
+        """A block's forward begins: gather it, and prefetch the blocks that followed it in the last forward."""
+        self._runs.append(unit)
+        self.gather(unit, "params.fwd")
+        if self.stage.shard_params:
+            self._prefetch(unit, self._predicted(unit), "params.fwd")
+
+    def _predicted(self, unit: Unit) -> list[Unit]:
+        """The blocks that followed `unit` in the last forward, from its run at this run's position (or, the
+        order having changed, its nearest run after it, else its first); the modules' order for a block the last
+        forward did not run."""
+        order, here = self.order, len(self._runs) - 1
+        at = next((i for i in itertools.chain(range(here, len(order)), range(min(here, len(order))))
+                   if order[i] is unit), None)
+        if at is None:
+            order, at = self.blocks, self._block_index[id(unit)]
+        return order[at + 1:at + 1 + self._window]
+
+    def leave(self, unit: Unit) -> None:
+        """Forward or backward is done with a block (or the root unit): release it, unless it runs next."""
+        if unit not in self._ahead:
+            self.release(unit, after_forward=self._forward)
+
+    def end_forward(self) -> None:
+        """The forward has run: its order predicts the next one's, and what it prefetched in vain goes."""
+        self.order = self._runs or self.order
+        self._prefetch(None, [], "params.fwd")
+
+    # ---- backward -----------------------------------------------------------------------------------------
+    def start_backward(self, runs: list[Unit]) -> None:
+        """Backward reaches the forward's blocks in `runs`' order (the forward's, reversed)."""
+        self._runs, self._at, self._ahead, self._forward = runs, -1, [], False
+
+    def enter_backward(self, unit: Unit) -> None:
+        """Backward reaches a block's next run: its weights are gathered when its segment needs them (`regather`)."""
+        self._at += 1
+        assert self._runs[self._at] is unit, (unit.name, self._at)
+
+    def regather(self, unit: Unit) -> None:
+        """Backward needs the unit's weights again (to recompute its forward, or for its own backward):
+        gather it, and start on the blocks backward reaches after it."""
+        self.gather(unit, "params.bwd")
+        if self.stage.shard_params and unit.name != "":
+            self._prefetch(unit, self._runs[self._at + 1:self._at + 1 + self._window], "params.bwd")
+
+    def _prefetch(self, unit: Optional[Unit], ahead: list[Unit], tag: str) -> None:
+        """`unit` computes, and `ahead` run next: start gathering them; a block gathered ahead that no longer
+        is goes (one that ran in this forward keeps hpZ's part for backward)."""
+        for stale in self._ahead:
+            if stale is not unit and stale not in ahead:
+                self.release(stale, after_forward=self._forward and stale in self._runs)
+        self._ahead = ahead
+        for nxt in ahead[:self.overlap.prefetch_depth]:
+            if nxt is not unit:
+                self.gather(nxt, tag, prefetch=True)
 
     def release(self, unit: Unit, after_forward: bool = False) -> None:
         """Free a gathered unit's storage; only stage 3 ever gathers, so elsewhere this does nothing.
@@ -132,19 +197,14 @@ class UnitGathering:
                 self.memory.resized(full)
             unit.gathered = False
 
-    def release_blocks(self) -> None:
-        """After backward: a prefetch of a block the model did not run again must not go stale, nor a
-        copy hpZ kept for a backward that did not need it."""
+    def end_backward(self) -> None:
+        """Backward has run: nothing stays gathered (a block kept for a run backward did not reach), nor a copy hpZ
+        kept for a backward that did not need it, and nothing of the step stays but the order it learned."""
         for unit in self.blocks:
             self.release(unit)
         for unit in self.units:
             self._drop_node_copies(unit)
-
-    def regather(self, unit: Unit) -> None:
-        """Backward needs the unit's weights again (to recompute its forward, or for its own backward):
-        gather it, and start on the blocks backward reaches after it."""
-        self.gather(unit, "params.bwd")
-        self.prefetch(unit, -1, "params.bwd")
+        self.start_forward()
 
     def saved_tensors_hooks(self):
         """Autograd's pack/unpack hooks that gather a released unit when backward unpacks one of its weights."""

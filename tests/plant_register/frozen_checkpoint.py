@@ -53,8 +53,8 @@ PLANTS: list[Plant] = [
           "issue 32", (SOURCE,)),
     Plant("frozen_unit_not_released", "zerofunc/engine.py",
           "        if grad is not None:\n            self.reduction.add(unit, grad, boundary)\n"
-          "        elif boundary and unit.numel:\n            self.reduction.left_out(unit)\n        self.gathering.release(unit)",
-          "        if grad is not None:\n            self.reduction.add(unit, grad, boundary)\n            self.gathering.release(unit)\n"
+          "        elif boundary and unit.numel:\n            self.reduction.left_out(unit)\n        self.gathering.leave(unit)",
+          "        if grad is not None:\n            self.reduction.add(unit, grad, boundary)\n            self.gathering.leave(unit)\n"
           "        elif boundary and unit.numel:\n            self.reduction.left_out(unit)",
           "a stage-3 unit whose weights are all frozen is never released after backward: it stays gathered between "
           "steps, and the next step skips its gather (not the plan's collectives, nor its memory)",
