@@ -3,6 +3,8 @@ breaks in two, models that run a block more than once or not at all, and many en
 notebook, a sweep)."""
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from tests.bare import OPTIM, in_world
@@ -131,3 +133,44 @@ def test_engines_past_dynamo_s_recompile_limit_are_compiled_too():
         assert graphs == first_graphs, f"engine {i}: compiled graphs {graphs}, the first's {first_graphs}"
         assert ledger == first_sent, f"engine {i}: its ledger holds {ledger}, the first's {first_sent}"
         assert loss == first_loss, f"engine {i}: loss {loss}, the first's {first_loss}"
+
+
+def _stage_3_in_order(name: str):
+    import zerofunc
+    from tests.test_overlap import ORDERS, Ordered
+    from zerofunc.whole_step import WholeStep
+    WholeStep.backend = "aot_eager"
+    out = []
+    for compile in (False, "whole"):
+        torch.manual_seed(0)
+        # link=None: eager issues each gather as one all_gather, as the compiled graphs do (tests/test_whole_step.py);
+        # a bucket below two blocks' gradients, so that the compiled step's reductions stay one a block
+        engine = zerofunc.initialize(Ordered(ORDERS[name]), {
+            "train_micro_batch_size_per_gpu": 2, "gradient_clipping": CLIP, "compile": compile,
+            "zero_optimization": {"stage": 3, "reduce_bucket_size": 250}, "optimizer": OPTIMIZER},
+            comm=DistCommunicator(link=None))
+        gen = torch.Generator().manual_seed(engine.comm.rank)
+        for _ in range(STEPS):
+            before = len(engine.comm.ledger.entries)
+            ids = torch.randint(0, 19, (2, 7), generator=gen)
+            train_step(engine, [(ids[:, :-1], ids[:, 1:])])
+        last = Counter((e.tag, e.nbytes) for e in engine.comm.ledger.entries[before:] if e.op == "all_gather")
+        peaks = [] if not compile else [g.peak_gathered_bytes for g in engine.whole.graphs["loss"].graphs]
+        out.append((engine.full_parameters(), last, peaks))
+    (ep, eager_gathers, _), (wp, whole_gathers, peaks) = out
+    root, block = (4 * u.layout.padded_numel for u in engine.units[:2])
+    return apart(ep, wp), eager_gathers == whole_gathers, max(peaks), root + 2 * block
+
+
+def test_stage_3_compiled_whole_gathers_in_the_order_the_forward_runs_its_blocks():
+    """Compiled whole, stage 3's gathers are where the traced forward runs each block, and the collective
+    schedule (zerofunc/comm_schedule.py) issues each the prefetch depth ahead: a model that runs its blocks in
+    reverse, or leaves one out, gathers what eager gathers once it has learned the order (tests/test_overlap.py),
+    and holds at most the root, the computing block and the prefetched one. A gather issued ahead by the modules'
+    order gathers the block left out for nothing, and holds it to the graph's end. On 2 ranks, 3 clipped steps,
+    parameters within the 1e-5 tests/test_whole_step.py derives."""
+    for name in ("reversed", "one not run"):
+        param_err, same_gathers, peak, bound = in_world(2, _stage_3_in_order, name)[0]
+        assert param_err <= 1e-5, f"{name}: parameters {param_err:.1e} apart"
+        assert same_gathers, f"{name}: the last step's gathers are not eager's"
+        assert peak <= bound, f"{name}: {peak} bytes gathered at once, over the bound ({bound})"

@@ -141,7 +141,6 @@ class WholeStep:
              for u in self.trained}
         self._accumulated: Optional[dict[str, Optional[torch.Tensor]]] = None  # the boundary's, while it runs
         self._master_spans = [span_in(u.master, u.params) for u in self.trained]
-        self._prefetched: dict[str, dict[str, torch.Tensor]] = {}
         # set in the caller's blocks while the step's forward runs (zerofunc/binding.py)
         self._forwards = {u.module: self._block_forward(u, u.module.forward, engine.checkpointing.recomputes(i))
                           for i, u in enumerate(engine.gathering.blocks)}
@@ -193,17 +192,11 @@ class WholeStep:
 
     def _block_forward(self, unit, forward, recomputed: bool):
         cut = len(unit.name) + 1
-        blocks = self.engine.gathering.blocks
-        ahead = blocks[blocks.index(unit) + 1:blocks.index(unit) + 1 + self.engine.overlap.prefetch_depth]
         keeps_ops = self.engine.checkpointing.keeps_ops
 
         @functools.wraps(forward)
         def run(*args, **kwargs):
-            weights = self._prefetched.pop(unit.name, None) or self._whole_weights(unit)
-            if self.stage.shard_params:  # the next blocks' gathers issued now, to run while this block computes
-                for nxt in ahead:
-                    if nxt.name not in self._prefetched:
-                        self._prefetched[nxt.name] = self._whole_weights(nxt)
+            weights = self._whole_weights(unit)
 
             def block(*args, **kwargs):
                 with _reparametrize_module(unit.module, {k[cut:]: v for k, v in weights.items()}):
@@ -218,7 +211,6 @@ class WholeStep:
     def _loss_eager(self, args: tuple, kwargs: dict, accumulated: Optional[dict]) -> torch.Tensor:
         from zerofunc.step import loss_of
         root = self.engine._root
-        self._prefetched = {}  # stage 3: blocks gathered ahead of their forward, by name
         self._accumulated = dict(accumulated) if accumulated is not None else None  # each taken once
         views = self._whole_weights(root) if root is not None else {}
         loss = loss_of(functional_call(self.engine.model, views, args, kwargs, strict=False)).float()
@@ -226,7 +218,7 @@ class WholeStep:
             if summed is not None:
                 loss = LeftOutGradient.apply(self.leaves[name], loss, self.groups[name], summed,
                                              self.stage.shard_optimizer)
-        self._prefetched, self._accumulated = {}, None
+        self._accumulated = None
         return loss
 
     def loss(self, args: tuple, kwargs: dict, accumulated: Optional[dict] = None) -> torch.Tensor:

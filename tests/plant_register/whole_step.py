@@ -239,4 +239,21 @@ PLANTS: list[Plant] = [
           "compiled whole with the GPU's layout, a block the accumulation boundary's forward does not run loses the "
           "earlier micro-batches' gradient: it steps on zeros", "issue 31 (any nn.Module)",
           ("tests/test_whole_step_models.py::test_blocks_run_unevenly_compiled_whole_train_like_eager",)),
+    Plant("whole_step_prefetch_in_the_modules_order", "zerofunc/whole_step.py",
+          "        @functools.wraps(forward)\n        def run(*args, **kwargs):\n"
+          "            weights = self._whole_weights(unit)\n",
+          "        blocks = self.engine.gathering.blocks\n"
+          "        ahead = blocks[blocks.index(unit) + 1:blocks.index(unit) + 1 + self.engine.overlap.prefetch_depth]\n\n"
+          "        @functools.wraps(forward)\n        def run(*args, **kwargs):\n"
+          "            weights = self._ahead_of.pop(unit.name, None) or self._whole_weights(unit)\n"
+          "            if self.stage.shard_params:\n"
+          "                for nxt in ahead:\n"
+          "                    if nxt.name not in self._ahead_of:\n"
+          "                        self._ahead_of[nxt.name] = self._whole_weights(nxt)\n",
+          "the step compiled whole issues the next block's gather, in the modules' order, as a block starts: a model "
+          "that leaves a block out gathers it for nothing and holds it to the graph's end",
+          "issue 31 (any nn.Module)",
+          ("tests/test_whole_step_models.py::test_stage_3_compiled_whole_gathers_in_the_order_the_forward_runs_its_blocks",),
+          also=(("zerofunc/whole_step.py", "        root = self.engine._root\n",
+                 "        root = self.engine._root\n        self._ahead_of = {}\n"),)),
 ]
