@@ -49,6 +49,12 @@ class BlockHooks:
             return out
         return run
 
+    def _read_unbound(self, p: torch.Tensor) -> None:
+        """The tape saw the forward take a module's own parameter: a block's, read outside the block."""
+        raise ValueError(f"the forward read {next((n for n, q in self.model.named_parameters() if q is p), p.shape)} "
+                         "outside its block's forward, where the engine's shards hold it: read it inside the block, or "
+                         "leave the block out of unit_names= (its weights then stay in the root unit)")
+
     def _unit_views(self, unit: Unit) -> dict[str, torch.Tensor]:
         return unit.views()
 

@@ -2,10 +2,11 @@
 to overlap the compute around them.
 
 Dynamo traces a functional collective's wait where the collective is issued, and the concatenation of a
-gather's slots (gloo's broadcasts) right after it; so a gather issued ahead of its block, as the step issues
-the next block's before the current one computes, still finishes before that compute starts; in backward
-each block's gather is recomputed just before its own backward; and each gradient's reduce-scatter is waited
-for before the next block's backward starts. Nothing overlaps. Inductor's comm-reordering passes would move
+gather's slots (gloo's broadcasts) right after it; the step issues each block's gather where the model's
+forward runs the block (so the gathers come in the order the forward runs its blocks, whatever the module's
+code picks), and so it finishes before that block computes; in backward each block's gather is recomputed
+just before its own backward; and each gradient's reduce-scatter is waited for before the next block's
+backward starts. Nothing overlaps. Inductor's comm-reordering passes would move
 them, but without a bound: they hoist every gather to the graph's start (zerofunc/whole_step.py keeps them
 off), and sinking a reduce-scatter's wait to its first use (the graph's output) keeps every block's whole
 gradient alive to the end. This pass moves them within ZeRO's bounds:

@@ -205,11 +205,6 @@ class ZeroEngine(BlockHooks, WholeState):
             self.gathering.release(self._root, after_forward=True)
         return out
 
-    def _read_unbound(self, p: torch.Tensor) -> None:
-        raise ValueError(f"the forward read {next((n for n, q in self.model.named_parameters() if q is p), p.shape)} "
-                         "outside its block's forward, where the engine's shards hold it: read it inside the block, or "
-                         "leave the block out of unit_names= (its weights then stay in the root unit)")
-
     # ---- backward ----------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
         """DeepSpeed's `engine.backward(loss)`: backward of one micro-step, the loss divided by the
@@ -242,9 +237,7 @@ class ZeroEngine(BlockHooks, WholeState):
             for segment in reversed(tape.segments):
                 unit = self._unit_named[segment.unit] if segment.unit is not None else None
                 if unit is not None:
-                    self.gathering.enter_backward(unit)
-                if unit is not None and self._regather_before_backward:
-                    self.gathering.regather(unit)
+                    self.gathering.enter_backward(unit, gather=self._regather_before_backward)
                 owners = [(name, u) for name, u in ((segment.unit, unit), (None, root)) if u is not None]
                 for (name, _), g in zip(owners, tape.grad(segment, [u.weights for _, u in owners])):
                     if g is not None:

@@ -52,7 +52,7 @@ class _SavedUnitWeight:
 
 
 class UnitGathering:
-    """Gathers, prefetches and releases the units of one engine; `blocks` in forward order."""
+    """Gathers, prefetches and releases the units of one engine; `blocks` in the modules' order."""
 
     def __init__(self, units: list[Unit], stage: Stage, comm: Communicator, overlap: Overlap, memory,
                  secondary: Optional[Communicator] = None):
@@ -159,10 +159,13 @@ class UnitGathering:
         """Backward reaches the forward's blocks in `runs`' order (the forward's, reversed)."""
         self._runs, self._at, self._ahead, self._forward = runs, -1, [], False
 
-    def enter_backward(self, unit: Unit) -> None:
-        """Backward reaches a block's next run: its weights are gathered when its segment needs them (`regather`)."""
+    def enter_backward(self, unit: Unit, gather: bool) -> None:
+        """Backward reaches a block's next run: its weights are gathered now with `gather`, else when its segment
+        unpacks them (`regather`)."""
         self._at += 1
         assert self._runs[self._at] is unit, (unit.name, self._at)
+        if gather:
+            self.regather(unit)
 
     def regather(self, unit: Unit) -> None:
         """Backward needs the unit's weights again (to recompute its forward, or for its own backward):
