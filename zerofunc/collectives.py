@@ -8,7 +8,8 @@ A stage-3 step, in the order it issues them (eager; the step compiled whole issu
     data_parallel_sum(token counts)                      "tokens"       zerofunc/step.py, before the forward
     for each unit the forward enters:
         gather_weights(unit)                             "params.fwd"   zerofunc/gather.py, and the next
-                                                                         blocks' (the prefetch depth)
+                                                                         blocks' (the prefetch depth, in the
+                                                                         order the last forward ran them)
     for each unit backward reaches, last first:
         gather_weights(unit)                             "params.bwd"   zerofunc/gather.py (hpZ: from the node)
         reduce_scatter_gradient(unit's gradient)         "grads"        zerofunc/reduction.py
