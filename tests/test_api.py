@@ -223,6 +223,42 @@ def test_a_block_weight_read_outside_the_block_is_refused_in_one_line():
     assert remedied.startswith("loss "), remedied
 
 
+def _blocks_run_by_rank(stage: int) -> list[str]:
+    """Under TORCH_DISTRIBUTED_DEBUG=DETAIL, PartlyRunLM on sequences of 6 tokens on every rank (each runs its
+    second block), then of 6 on rank 0 and 3 on rank 1 (rank 1 does not run it): what each forward said."""
+    import os
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"  # read as the engine starts; the process group is already up
+    said = []
+    for lengths in ((6, 6), (6, 3)):
+        torch.manual_seed(0)
+        engine = zerofunc.initialize(PartlyRunLM(), {"train_micro_batch_size_per_gpu": 2, "optimizer": OPTIM,
+                                                     "zero_optimization": {"stage": stage}})
+        ids = torch.randint(0, 19, (2, lengths[engine.comm.rank] + 1), generator=torch.Generator().manual_seed(1))
+        try:
+            loss = engine(ids[:, :-1], ids[:, 1:])
+        except RuntimeError as e:
+            said.append(str(e))
+            continue
+        if lengths[0] == lengths[1]:  # alike: the step goes on (a step of ranks that are not would not pair)
+            engine.backward(loss)
+            engine.step()
+        said.append("ran")
+    return said
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_ranks_that_run_different_blocks_are_refused_under_detail_debugging(stage):
+    """Blocks of one size: ranks whose forwards ran different blocks (a block run on long sequences only, and
+    sequences of another length on each rank) would pair one block's reduction with another's, and no
+    collective's shape tells them apart. Under torch's TORCH_DISTRIBUTED_DEBUG=DETAIL, the forward checks,
+    before backward's first collective, that every rank ran the same blocks, and says so on every rank."""
+    for rank, (alike, apart) in enumerate(in_world(2, _blocks_run_by_rank, stage)):
+        assert alike == "ran", alike
+        blocks = "blocks.0, blocks.1, blocks.2" if rank == 0 else "blocks.0, blocks.2"
+        assert apart == (f"the ranks' forwards ran different blocks (this rank's: {blocks}): every rank must run the "
+                         "same blocks, in the same order, in each micro-step"), apart
+
+
 def test_initialize_rejects_a_bad_config():
     with pytest.raises(zerofunc.ConfigError, match="unknown config key 'zero_optimisation'"):
         zerofunc.initialize(ResidualMLP(), {"train_batch_size": 1, "zero_optimisation": {"stage": 2}})

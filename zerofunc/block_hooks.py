@@ -4,16 +4,18 @@ wrapper that runs a block unwatched by the tape. The adapter item 2 of issue 31 
 forward drives the order of its blocks, so the engine learns of each block from the block's own call.
 
 A mixin of ZeroEngine's, as engine_state.WholeState is: it uses the engine's `model`, `gathering`,
-`memory` and `_tape`.
+`memory` and `_tape` (and, to check that every rank ran the same blocks, `comm`, `replicas` and `device`).
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import zlib
 
 import torch
 
 from zerofunc.binding import bind
+from zerofunc.collectives import alike_on_every_rank
 from zerofunc.units import Unit
 
 
@@ -54,6 +56,14 @@ class BlockHooks:
         raise ValueError(f"the forward read {next((n for n, q in self.model.named_parameters() if q is p), p.shape)} "
                          "outside its block's forward, where the engine's shards hold it: read it inside the block, or "
                          "leave the block out of unit_names= (its weights then stay in the root unit)")
+
+    def _check_blocks_alike(self) -> None:
+        """Every data-parallel rank's forward ran the same blocks in the same order: each issues its blocks'
+        collectives, which pair across ranks by the order they are issued in."""
+        ran = tuple(u.name for u in self.gathering.order)
+        if not alike_on_every_rank(self.comm, self.replicas, zlib.crc32(','.join(ran).encode()) % (1 << 20), self.device):
+            raise RuntimeError(f"the ranks' forwards ran different blocks (this rank's: {', '.join(ran) or 'none'}): "
+                               "every rank must run the same blocks, in the same order, in each micro-step")
 
     def _unit_views(self, unit: Unit) -> dict[str, torch.Tensor]:
         return unit.views()

@@ -83,6 +83,16 @@ def data_parallel_sum(comm: Communicator, replicas: Optional[Communicator], t: t
         replicas.all_reduce(t, tag=tag, mean=mean)
 
 
+def alike_on_every_rank(comm: Communicator, replicas: Optional[Communicator], value: int, device) -> bool:
+    """Whether every data-parallel rank holds the same small integer `value` (below 2**20): the sums of 1, v
+    and v*v, of which n * sum(v*v) == sum(v)**2 only when every v is the same; exact in float64 up to 2**10
+    ranks, and the same answer on every rank. Tagged "debug": only TORCH_DISTRIBUTED_DEBUG=DETAIL issues it."""
+    sums = torch.tensor([1.0, value, float(value) ** 2], dtype=torch.float64, device=device)
+    data_parallel_sum(comm, replicas, sums, "debug")
+    n, s, q = sums.tolist()
+    return n * q == s * s
+
+
 # ---- compiled whole: functional collectives, values in the graph ----------------------------------------------------
 
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # torch 2.13 renamed it
