@@ -27,7 +27,6 @@ The same code runs on meta tensors with a `RecordingCommunicator` to simulate a 
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Optional
 
 import torch
@@ -139,9 +138,6 @@ class ZeroEngine(BlockHooks, WholeState):
         self._unit_named = {u.name: u for u in self.units}
         self._root = next((u for u in self.units if u.name == ""), None)  # parameters outside any block
         self.gathering = UnitGathering(self.units, stage, comm, overlap, self.memory, secondary)
-        # torch's TORCH_DISTRIBUTED_DEBUG=DETAIL checks that every rank issues collectives of the same shapes; its
-        # blocks being alike, ranks that ran different blocks would not be told apart: each forward checks those
-        self._blocks_checked = os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
         if checkpointing.on and not self.gathering.blocks:
             raise ValueError("activation checkpointing recomputes blocks, and this model has none: give unit_names")
         self.whole: Optional[WholeStep] = None  # the step compiled whole, which brings in the blocks' weights itself
@@ -202,8 +198,7 @@ class ZeroEngine(BlockHooks, WholeState):
                     stack.enter_context(self._tape)
                 out = functional_call(self.model, views, args, kwargs)
             self.gathering.end_forward()
-            if self._blocks_checked:  # before any collective of its backward pairs one block's with another's
-                self._check_blocks_alike()
+            self._check_blocks_alike()  # under TORCH_DISTRIBUTED_DEBUG=DETAIL; before backward's first collective
         except BaseException:
             self._abandon_forward()
             raise

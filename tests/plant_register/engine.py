@@ -213,8 +213,8 @@ PLANTS: list[Plant] = [
           "between its runs, in forward and in backward",
           "issue 31 (any nn.Module)", ("tests/test_overlap.py::test_stage_3_prefetches_in_the_order_the_forward_runs_its_blocks",)),
     Plant("ranks_running_different_blocks_unchecked", ENG,
-          "            if self._blocks_checked:  # before any collective of its backward pairs one block's with another's\n",
-          "            if False:\n",
+          "            self._check_blocks_alike()  # under TORCH_DISTRIBUTED_DEBUG=DETAIL; before backward's first collective\n",
+          "",
           "under TORCH_DISTRIBUTED_DEBUG=DETAIL, ranks whose forwards ran different blocks of one size go on into "
           "backward, where one block's reduction pairs with another's: wrong gradients, or a hang",
           "issue 31 (any nn.Module)",
