@@ -42,7 +42,9 @@ def hf_four_lines(stage: int, family: str, checkpointing: str = "none", attentio
     torch.manual_seed(0)
     model = hf_model(family, attention)
     reference = copy.deepcopy(model)  # trained without checkpointing: the same gradients, bit for bit
-    ac = {"activation_checkpointing": {"mode": checkpointing}} if checkpointing != "none" else {}
+    ac = {"activation_checkpointing": {"mode": checkpointing}} if checkpointing not in ("none", "own") else {}
+    if checkpointing == "own":  # the model's own, as a Trainer's gradient_checkpointing=True turns it on
+        model.gradient_checkpointing_enable()
     engine = zerofunc.initialize(model, {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
                                          "zero_optimization": {"stage": stage}, **ac,
                                          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95],
@@ -57,6 +59,8 @@ def hf_four_lines(stage: int, family: str, checkpointing: str = "none", attentio
         steps.append(record_step(engine, everyone[rank::world], everyone))  # micro-step j of rank r: j*N + r
     check_steps(reference, steps, f"{family} stage {stage} checkpointing {checkpointing}")
     assert steps[1].loss == 0.0, f"{family} stage {stage}: a global batch of no counted label lost {steps[1].loss}"
+    if checkpointing == "own":  # the engine recomputed each block, and left the model's own setting as it was
+        assert engine.checkpointing.mode == "full" and model.is_gradient_checkpointing, f"{family} stage {stage}"
     return [u.name for u in engine.units]
 
 
@@ -105,12 +109,16 @@ def test_other_hugging_face_families_train_like_one_device():
             assert len(units) == 3, f"{family}, checkpointing {checkpointing}: units {units}, not the root and two blocks"
 
 
-@pytest.mark.parametrize("checkpointing", ["full", "selective-op"])
+@pytest.mark.parametrize("checkpointing", ["full", "selective-op", "own"])
 @pytest.mark.parametrize("family, attention", [("gpt2", "eager"), ("llama", "sdpa")])
 def test_hugging_face_models_checkpointed_train_like_one_device(family, attention, checkpointing):
     """Checkpointed Hugging Face layers, against the model trained without checkpointing. Their forward
     appends its keys and values to the model's cache: run again in backward against it, a layer would attend
     to them twice (GPT-2's eager attention: other gradients), or run ops its forward did not (SDPA's, under
-    selective-op: torch refuses). The engine passes a checkpointed layer no cache, as Hugging Face does."""
+    selective-op: torch refuses). The engine passes a checkpointed layer no cache, as Hugging Face does.
+    "own": the model's own checkpointing, `gradient_checkpointing_enable()`, whose recomputation in backward
+    would run outside the engine's forward, on the module's released weights (a meta tensor: it failed), and
+    whose checkpoint inside the engine's would checkpoint the recomputation again: the engine recomputes each
+    block itself instead, with the model's own off while it steps, and on again after."""
     for stage, units in zip((0, 3), in_world(1, stages_0_and_3, family, checkpointing, attention)[0]):
         assert len(units) == 3, f"stage {stage}: {units}"

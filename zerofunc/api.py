@@ -13,6 +13,7 @@ import torch.nn as nn
 from zerofunc.comm import Communicator, DistCommunicator, hybrid_communicators, secondary_communicator
 from zerofunc.config import Config, compile_mode, parse
 from zerofunc.engine import ZeroEngine
+from zerofunc.recompute import ActivationCheckpointing, model_checkpoints
 from zerofunc.stages import get_stage
 from zerofunc.units import InitFn
 
@@ -67,11 +68,14 @@ def initialize(model: nn.Module, config: dict | str | Path | Config, *, device: 
             init = lambda name, shape: model.init_param(name, shape, 0)  # noqa: E731
         else:
             raise ValueError("the model is on the meta device: pass init=, or give it init_param(name, shape, seed)")
-    engine = ZeroEngine(model, get_stage(cfg.stage), comm, cfg.optimizer, device, init,
-                        unit_names if unit_names is not None else default_units(model), precision=cfg.precision,
+    units = unit_names if unit_names is not None else default_units(model)
+    checkpointing = cfg.checkpointing
+    if not checkpointing.on and units and model_checkpoints(model):  # Hugging Face's gradient_checkpointing_enable()
+        checkpointing = ActivationCheckpointing("full")
+    engine = ZeroEngine(model, get_stage(cfg.stage), comm, cfg.optimizer, device, init, units, precision=cfg.precision,
                         memory=memory, grad_accum=cfg.grad_accum, clip=cfg.clip, loss_scaler=cfg.loss_scaler(),
                         overlap=cfg.overlap, compile=compile_mode(compile, cfg.compile, torch.device(device).type),
-                        checkpointing=cfg.checkpointing, offload_optimizer=cfg.offload_optimizer, replicas=replicas,
+                        checkpointing=checkpointing, offload_optimizer=cfg.offload_optimizer, replicas=replicas,
                         secondary=secondary if cfg.hpz is not None else None, reduce_dtype=cfg.reduce_dtype)
     engine.optimizer.lr_schedule = cfg.lr
     engine.config = cfg

@@ -15,8 +15,9 @@ import zlib
 
 import torch
 
-from zerofunc.binding import bind
+from zerofunc.binding import bind, installed
 from zerofunc.collectives import alike_on_every_rank
+from zerofunc.recompute import own_checkpointing_off
 from zerofunc.units import Unit
 
 
@@ -108,7 +109,8 @@ class BlockHooks:
         self.gathering.regather(unit)
         unit.bound = bind(self.model, self._unit_views(unit))
         try:
-            yield
+            with installed({}, settings=own_checkpointing_off(unit.module)):
+                yield
         finally:
             bind(self.model, unit.bound)
             unit.bound = None

@@ -45,7 +45,7 @@ from zerofunc.loss_scale import LossScaler
 from zerofunc.offload import OptimizerOffload
 from zerofunc.optim import AdamWConfig
 from zerofunc.overlap import Overlap
-from zerofunc.recompute import ActivationCheckpointing, checkpointed, head_settings
+from zerofunc.recompute import ActivationCheckpointing, checkpointed, step_settings
 from zerofunc.reduction import GradientReduction
 from zerofunc.sharded_optim import ShardedAdamW
 from zerofunc.stages import Stage
@@ -164,7 +164,7 @@ class ZeroEngine(BlockHooks, WholeState):
                 forward = checkpointed(forward, lambda u=unit: u.bound is not None, lambda u=unit: self._recomputing(u),
                                        checkpointing.keeps_ops)
             self._forwards[unit.module] = forward
-        self._settings = head_settings(model, checkpointing.on)
+        self._settings = step_settings(model, checkpointing.on)
 
     # ---- forward -----------------------------------------------------------------
     def __call__(self, *args, **kwargs):

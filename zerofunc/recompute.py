@@ -96,12 +96,29 @@ class ActivationCheckpointing:
         return {"none": "none", "full": "full", "selective-op": "ops"}.get(self.mode, f"every {self.every}")
 
 
-def head_settings(model: torch.nn.Module, on: bool) -> list:
+def step_settings(model: torch.nn.Module, on: bool) -> list:
     """What `binding.installed` sets in `model` while a step runs: with checkpointing `on`, every
     `LinearCrossEntropy` head recomputes its logits in backward, chunk by chunk, eager or in a compiled step
-    (zerofunc/lm_head.py)."""
+    (zerofunc/lm_head.py); and the model's own checkpointing off (Hugging Face's `gradient_checkpointing`,
+    which `gradient_checkpointing_enable()` sets): its recomputation runs in backward, outside the engine's
+    forward, where the module's weights are the released placeholders. `model_checkpoints` turns it into
+    the engine's."""
     from zerofunc.lm_head import LinearCrossEntropy
-    return [(m, "recompute", on) for m in model.modules() if isinstance(m, LinearCrossEntropy)]
+    heads = [(m, "recompute", on) for m in model.modules() if isinstance(m, LinearCrossEntropy)]
+    return heads + own_checkpointing_off(model)
+
+
+def own_checkpointing_off(module: torch.nn.Module) -> list:
+    """The settings that turn the module's own checkpointing off while a step runs, and while the engine
+    recomputes a block (where Hugging Face's would checkpoint the recomputation again)."""
+    return [(m, "gradient_checkpointing", False) for m in module.modules() if hasattr(m, "gradient_checkpointing")]
+
+
+def model_checkpoints(model: torch.nn.Module) -> bool:
+    """Whether the model's own code recomputes its layers in backward: Hugging Face's gradient checkpointing on
+    (`gradient_checkpointing_enable()`), as a Trainer's `gradient_checkpointing=True` sets it. `initialize`
+    then recomputes each block itself (full activation checkpointing), as DeepSpeed's ZeRO-3 runs it."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
 def checkpointed(forward: Callable, in_forward: Callable[[], bool], recompute: Callable[[], contextlib.AbstractContextManager],

@@ -65,7 +65,7 @@ from zerofunc.binding import installed
 from zerofunc.collectives import Group, LeftOutGradient, ReducedGradient
 from zerofunc.comm_schedule import overlap
 from zerofunc.compiled_graphs import Collective, CompiledGraphs, with_own_code
-from zerofunc.recompute import head_settings, keep_attention_and_every_second_matmul, without_cache
+from zerofunc.recompute import step_settings, keep_attention_and_every_second_matmul, without_cache
 from zerofunc.state import OptimizerState
 from zerofunc.units import reduced_dtype
 from zerofunc.whole_update import adamw_then_gather, reduced_and_norm
@@ -146,7 +146,7 @@ class WholeStep:
         # set in the caller's blocks while the step's forward runs (zerofunc/binding.py)
         self._forwards = {u.module: self._block_forward(u, u.module.forward, engine.checkpointing.recomputes(i))
                           for i, u in enumerate(engine.gathering.blocks)}
-        self._settings = head_settings(engine.model, engine.checkpointing.on)
+        self._settings = step_settings(engine.model, engine.checkpointing.on)
         self._loss = compiled(self._loss_eager, "loss")
         self._reduce = compiled(self._reduce_eager, "reduce")
         self._apply = compiled(self._apply_eager, "apply")

@@ -219,4 +219,20 @@ PLANTS: list[Plant] = [
           "backward, where one block's reduction pairs with another's: wrong gradients, or a hang",
           "issue 31 (any nn.Module)",
           ("tests/test_api.py::test_ranks_that_run_different_blocks_are_refused_under_detail_debugging",)),
+    Plant("model_checkpointing_left_on", "zerofunc/recompute.py",
+          "    return heads + own_checkpointing_off(model)\n", "    return heads\n",
+          "a Hugging Face model's own gradient checkpointing stays on in the engine's step: backward recomputes its "
+          "layers outside the engine's forward, on the module's released (meta) weights, and fails",
+          "issue 31 (any nn.Module)", ("tests/test_hf.py::test_hugging_face_models_checkpointed_train_like_one_device[gpt2-eager-own]",)),
+    Plant("model_checkpointing_in_the_recompute", HOOKS,
+          "            with installed({}, settings=own_checkpointing_off(unit.module)):\n                yield\n",
+          "            yield\n",
+          "the engine's recomputation of a block runs the model's own checkpointing again inside it: torch's "
+          "checkpoint finds other tensors saved than in forward, and fails",
+          "issue 31 (any nn.Module)", ("tests/test_hf.py::test_hugging_face_models_checkpointed_train_like_one_device[gpt2-eager-own]",)),
+    Plant("model_checkpointing_not_taken_over", "zerofunc/api.py",
+          "    if not checkpointing.on and units and model_checkpoints(model):", "    if False:",
+          "a model's own gradient checkpointing, off in the engine's step, is not taken over by the engine: it keeps "
+          "every activation, the memory its user asked to save",
+          "issue 31 (any nn.Module)", ("tests/test_hf.py::test_hugging_face_models_checkpointed_train_like_one_device[gpt2-eager-own]",)),
 ]
