@@ -79,6 +79,14 @@ class PartlyRunLM(TokenMLP):
         return [self.blocks[0], *([self.blocks[1]] if idx.shape[1] > 4 else []), self.blocks[2]]
 
 
+class CalledDirectlyLM(TokenMLP):
+    """TokenMLP whose forward calls its second block's forward method (`block.forward(h)`), which runs none of the
+    module's hooks, where the engine learns that a block starts and ends."""
+
+    def runs(self, idx: torch.Tensor) -> list:
+        return [self.blocks[0], self.blocks[1].forward]
+
+
 class Residual(nn.Module):
     def __init__(self, width: int):
         super().__init__()
@@ -107,7 +115,7 @@ class SequentialLM(TokenMLP):
 
 
 MODULES = {"regression": ResidualMLP, "tokens": TokenMLP, "sequential": SequentialLM, "reused": ReusedLM,
-           "partly run": PartlyRunLM}
+           "partly run": PartlyRunLM, "called directly": CalledDirectlyLM}
 OPTIM = {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-5, "weight_decay": 0.1}}
 
 
@@ -172,7 +180,8 @@ def four_lines_world() -> list[dict]:
                                          ("tokens", ["blocks.0", "blocks.1"]),
                                          ("sequential", ["layers.1", "layers.2", "layers.3"]),
                                          ("reused", ["blocks.0", "blocks.1"]),
-                                         ("partly run", ["blocks.0", "blocks.1", "blocks.2", "blocks.3"])])
+                                         ("partly run", ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]),
+                                         ("called directly", ["blocks.0", "blocks.1"])])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_initialize_trains_any_module_like_one_device(four_lines_world, stage, kind, blocks):
     """2 gloo ranks, 2 micro-steps per step, DeepSpeed's calls as train_step makes them: the module's own
@@ -180,7 +189,8 @@ def test_initialize_trains_any_module_like_one_device(four_lines_world, stage, k
     rounding (tests/steps.py). A language model that takes num_items_in_batch gets the global batch's token
     mean, a regression its micro-batches' mean. The units are the blocks of a ModuleList or a Sequential;
     the Sequential's embedding and tied head are the root's. A block the forward runs three times gets the sum
-    of its runs' gradients; one it runs at the first micro-step only, that one's; one it never runs, zero."""
+    of its runs' gradients; one it runs at the first micro-step only, that one's; one it never runs, zero. A
+    block whose forward method the model calls directly runs its hooks all the same."""
     for units, released, same_start in (per_rank[kind][stage] for per_rank in four_lines_world):
         assert units == ["", *blocks]
         assert released  # the module's own weights are gone; the engine's shards hold them

@@ -53,6 +53,20 @@ class BlockHooks:
             return out
         return run
 
+    @staticmethod
+    def _through_its_hooks(unit: Unit, forward, pre, post):
+        """The block's forward called directly (`block.forward(h)`, not `block(h)`: the module's hooks do not
+        run): its hooks run around it all the same. Called through the module, its pre-hook has bound it."""
+        @functools.wraps(forward)
+        def run(*args, **kwargs):
+            if unit.bound is not None:
+                return forward(*args, **kwargs)
+            pre(unit.module, args)
+            out = forward(*args, **kwargs)
+            post(unit.module, args, out)
+            return out
+        return run
+
     def _read_unbound(self, p: torch.Tensor) -> None:
         """The tape saw the forward take a module's own parameter: a block's, read outside the block."""
         raise ValueError(f"the forward read {next((n for n, q in self.model.named_parameters() if q is p), p.shape)} "

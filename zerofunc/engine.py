@@ -154,8 +154,8 @@ class ZeroEngine(BlockHooks, WholeState):
         # what the engine's forward sets in the caller's modules while it runs (zerofunc/binding.py)
         self._forwards, self._pre_hooks, self._post_hooks = {}, {}, {}
         for i, unit in enumerate(self.gathering.blocks):
-            self._pre_hooks[unit.module] = self._gather_and_bind(unit)
-            self._post_hooks[unit.module] = self._unbind_and_release(unit)
+            pre, post = self._pre_hooks[unit.module], self._post_hooks[unit.module] = (self._gather_and_bind(unit),
+                                                                                       self._unbind_and_release(unit))
             forward = unit.module.forward
             if compile:  # the block's compute only: its hooks gather, bind and release outside the graph
                 forward = torch.compile(forward)
@@ -163,7 +163,7 @@ class ZeroEngine(BlockHooks, WholeState):
             if checkpointing.recomputes(i):
                 forward = checkpointed(forward, lambda u=unit: u.bound is not None, lambda u=unit: self._recomputing(u),
                                        checkpointing.keeps_ops)
-            self._forwards[unit.module] = forward
+            self._forwards[unit.module] = self._through_its_hooks(unit, forward, pre, post)
         self._settings = step_settings(model, checkpointing.on)
 
     # ---- forward -----------------------------------------------------------------

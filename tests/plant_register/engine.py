@@ -235,4 +235,11 @@ PLANTS: list[Plant] = [
           "a model's own gradient checkpointing, off in the engine's step, is not taken over by the engine: it keeps "
           "every activation, the memory its user asked to save",
           "issue 31 (any nn.Module)", ("tests/test_hf.py::test_hugging_face_models_checkpointed_train_like_one_device[gpt2-eager-own]",)),
+    Plant("block_called_directly_unhooked", HOOKS,
+          "            if unit.bound is not None:\n                return forward(*args, **kwargs)\n",
+          "            if True:\n                return forward(*args, **kwargs)\n",
+          "a block whose forward method the model calls directly (block.forward(h)) runs without its hooks: on the "
+          "module's released weights, and fails on a meta tensor",
+          "issue 31 (any nn.Module)",
+          ("tests/test_api.py::test_initialize_trains_any_module_like_one_device[0-called directly-blocks5]",)),
 ]
