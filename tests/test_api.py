@@ -3,11 +3,13 @@ loss is the global batch's token mean, however its ignored targets (-100) fall o
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 import zerofunc
 from tests.bare import in_world
@@ -87,6 +89,14 @@ class CalledDirectlyLM(TokenMLP):
         return [self.blocks[0], self.blocks[1].forward]
 
 
+class SelfCheckpointedLM(TokenMLP):
+    """TokenMLP that checkpoints its own blocks (`torch.utils.checkpoint`, as timm's `set_grad_checkpointing` and
+    much research code do): backward calls each block again to recompute it."""
+
+    def runs(self, idx: torch.Tensor) -> list:
+        return [functools.partial(checkpoint, block, use_reentrant=False) for block in self.blocks]
+
+
 class Residual(nn.Module):
     def __init__(self, width: int):
         super().__init__()
@@ -115,7 +125,7 @@ class SequentialLM(TokenMLP):
 
 
 MODULES = {"regression": ResidualMLP, "tokens": TokenMLP, "sequential": SequentialLM, "reused": ReusedLM,
-           "partly run": PartlyRunLM, "called directly": CalledDirectlyLM}
+           "partly run": PartlyRunLM, "called directly": CalledDirectlyLM, "self-checkpointed": SelfCheckpointedLM}
 OPTIM = {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-5, "weight_decay": 0.1}}
 
 
@@ -181,7 +191,8 @@ def four_lines_world() -> list[dict]:
                                          ("sequential", ["layers.1", "layers.2", "layers.3"]),
                                          ("reused", ["blocks.0", "blocks.1"]),
                                          ("partly run", ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]),
-                                         ("called directly", ["blocks.0", "blocks.1"])])
+                                         ("called directly", ["blocks.0", "blocks.1"]),
+                                         ("self-checkpointed", ["blocks.0", "blocks.1"])])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_initialize_trains_any_module_like_one_device(four_lines_world, stage, kind, blocks):
     """2 gloo ranks, 2 micro-steps per step, DeepSpeed's calls as train_step makes them: the module's own
@@ -190,7 +201,8 @@ def test_initialize_trains_any_module_like_one_device(four_lines_world, stage, k
     mean, a regression its micro-batches' mean. The units are the blocks of a ModuleList or a Sequential;
     the Sequential's embedding and tied head are the root's. A block the forward runs three times gets the sum
     of its runs' gradients; one it runs at the first micro-step only, that one's; one it never runs, zero. A
-    block whose forward method the model calls directly runs its hooks all the same."""
+    block whose forward method the model calls directly runs its hooks all the same; one the model checkpoints
+    itself is gathered and bound again when backward calls it to recompute it."""
     for units, released, same_start in (per_rank[kind][stage] for per_rank in four_lines_world):
         assert units == ["", *blocks]
         assert released  # the module's own weights are gone; the engine's shards hold them

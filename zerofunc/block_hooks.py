@@ -91,11 +91,17 @@ class BlockHooks:
         return unit.views()
 
     def _gather_and_bind(self, unit: Unit):
+        """The block's pre-hook. Also in backward, where a model that checkpoints its own blocks
+        (`torch.utils.checkpoint`) calls the block again to recompute it: gathered again, as the engine's own
+        recomputation gathers it."""
         def hook(module, args):
             if self._tape is not None:
                 self._tape.open(unit.name)
             with self._engine_work():
-                self.gathering.enter(unit)
+                if self.gathering.in_backward:
+                    self.gathering.regather(unit)
+                else:
+                    self.gathering.enter(unit)
                 unit.bound = bind(self.model, self._unit_views(unit))
         return hook
 
@@ -106,7 +112,8 @@ class BlockHooks:
             with self._engine_work():
                 bind(self.model, unit.bound)
                 unit.bound = None
-                self.gathering.leave(unit)
+                if not self.gathering.in_backward:  # a recomputation's: its backward follows, and releases it
+                    self.gathering.leave(unit)
         return hook
 
     def _engine_work(self):

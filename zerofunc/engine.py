@@ -234,7 +234,9 @@ class ZeroEngine(BlockHooks, WholeState):
         first_run = {segment.unit: segment.index for segment in reversed(tape.segments)}
         held: dict = {}  # a block's name (the root's: None) -> its gradient over the segments differentiated so far
         self.gathering.start_backward([self._unit_named[s.unit] for s in reversed(tape.segments) if s.unit is not None])
-        with self.memory.category("activations"):
+        # the blocks' hooks and forwards also while backward runs: a model that checkpoints its own blocks calls them
+        with self.memory.category("activations"), installed(self._forwards, self._pre_hooks, self._post_hooks,
+                                                            self._settings):
             for segment in reversed(tape.segments):
                 unit = self._unit_named[segment.unit] if segment.unit is not None else None
                 if unit is not None:

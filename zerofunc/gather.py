@@ -155,6 +155,10 @@ class UnitGathering:
         self._prefetch(None, [], "params.fwd")
 
     # ---- backward -----------------------------------------------------------------------------------------
+    @property
+    def in_backward(self) -> bool:
+        return not self._forward
+
     def start_backward(self, runs: list[Unit]) -> None:
         """Backward reaches the forward's blocks in `runs`' order (the forward's, reversed)."""
         self._runs, self._at, self._ahead, self._forward = runs, -1, [], False

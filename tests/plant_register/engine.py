@@ -65,8 +65,9 @@ PLANTS: list[Plant] = [
           "issue 2 note", ("tests/test_ledger.py", *FAST),
           also=((ENG, "boundary=self.micro_step + 1 == self.grad_accum)", "boundary=True)"),)),
     Plant("stage3_blocks_kept_after_forward", HOOKS,
-          "                unit.bound = None\n                self.gathering.leave(unit)\n",
-          "                unit.bound = None\n",
+          "                if not self.gathering.in_backward:  # a recomputation's: its backward follows, and releases it\n"
+          "                    self.gathering.leave(unit)\n",
+          "",
           "stage 3 never frees a block after its forward: the whole model ends up gathered",
           "issue 2 note", ("tests/test_ledger.py::test_one_step_moves_the_paper_volumes[2]",)),
     Plant("dropout_from_the_global_rng", "zerofunc/models/gpt2.py",
@@ -242,4 +243,16 @@ PLANTS: list[Plant] = [
           "module's released weights, and fails on a meta tensor",
           "issue 31 (any nn.Module)",
           ("tests/test_api.py::test_initialize_trains_any_module_like_one_device[0-called directly-blocks5]",)),
+    Plant("block_recomputed_by_the_model_unhooked", ENG,
+          "        with self.memory.category(\"activations\"), installed(self._forwards, self._pre_hooks, self._post_hooks,\n"
+          "                                                            self._settings):\n",
+          "        with self.memory.category(\"activations\"):\n",
+          "a model that checkpoints its own blocks (torch.utils.checkpoint) recomputes them in backward without the "
+          "engine's hooks: on the module's released weights, and fails on a meta tensor",
+          "issue 31 (any nn.Module)", ("tests/test_api.py::test_initialize_trains_any_module_like_one_device[3-self-checkpointed-blocks6]",)),
+    Plant("block_recomputed_by_the_model_entered_as_forward", HOOKS,
+          "                if self.gathering.in_backward:\n", "                if False:\n",
+          "a block the model's own checkpoint recomputes in backward is entered as in forward: counted as a run of "
+          "the backward's order, which then loses its place",
+          "issue 31 (any nn.Module)", ("tests/test_api.py::test_initialize_trains_any_module_like_one_device[3-self-checkpointed-blocks6]",)),
 ]
