@@ -58,6 +58,47 @@ def test_the_first_reduction_completes_before_the_second_is_issued():
     assert order.index(first_done) == order.index(second) - 1, [n.name for n in order]
 
 
+def test_a_reduction_is_issued_as_soon_as_its_matmul_is_done():
+    """A gradient's cheap tail (a sum, a concatenation) and its reduction left by AOTAutograd after the next block's
+    matmul: both move up to just after the gradient's own matmul, so that the reduction overlaps the next one
+    (tests/plants.py: whole_step_reductions_issued_late). In the graphs of tests/test_whole_step.py's models, since
+    each gather is traced where its block runs, AOTAutograd leaves no tail behind: there the move finds nothing."""
+    g = torch.fx.Graph()
+    x, w, v = g.placeholder("x"), g.placeholder("w"), g.placeholder("v")
+    grad = g.call_function(aten.mm.default, (x, w))
+    following = g.call_function(aten.mm.default, (x, v))  # the next block's backward
+    tail = g.call_function(aten.mul.Tensor, (grad, 2.0))
+    reduce = g.call_function(c10d.reduce_scatter_tensor.default, (tail, "sum", 2, "0"))
+    done = g.call_function(c10d.wait_tensor.default, (reduce,))
+    g.output((done, following))
+    overlap(g, gather_depth=None, reductions=True)
+    g.lint()
+    order = list(g.nodes)
+    assert order.index(grad) < order.index(tail) < order.index(reduce) < order.index(following), \
+        [n.name for n in order]
+
+
+def test_a_gather_waited_for_where_it_is_issued_completes_where_its_weights_are_read():
+    """A block's gather issued, and (as dynamo traces it) waited for, ahead of the block before it: its wait sinks
+    to just before its weights are read, past the block before it, whose compute it then overlaps (tests/plants.py:
+    whole_step_gathers_waited_at_once). The step traces each gather where its block runs, next to its readers,
+    so in its graphs the move finds nothing to do (tests/test_whole_step.py); it holds should one be traced ahead."""
+    g = torch.fx.Graph()
+    x, shard0, shard1 = g.placeholder("x"), g.placeholder("shard0"), g.placeholder("shard1")
+    first = g.call_function(c10d.all_gather_into_tensor.default, (shard0, 2, "0"))
+    first_done = g.call_function(c10d.wait_tensor.default, (first,))
+    second = g.call_function(c10d.all_gather_into_tensor.default, (shard1, 2, "0"))
+    second_done = g.call_function(c10d.wait_tensor.default, (second,))
+    h = g.call_function(aten.mm.default, (x, first_done))  # the first block
+    out = g.call_function(aten.mm.default, (h, second_done))  # the second
+    g.output((out,))
+    overlap(g, gather_depth=1, reductions=False)
+    g.lint()
+    order = list(g.nodes)
+    assert order.index(second) < order.index(h) < order.index(second_done) < order.index(out), \
+        [n.name for n in order]
+
+
 def _update_graph(read_old_weights_late: bool = False, into_weights: bool = False):
     """The update's graph at stages 1-2 as dynamo traces it, two units: each unit's AdamW (`new`), the gather
     of the new weights (a broadcast, waited for at once, the ranks' slots concatenated; `into_weights`: on gloo,

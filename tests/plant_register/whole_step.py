@@ -44,6 +44,13 @@ PLANTS: list[Plant] = [
           "                _complete_before(completion, None, graph)\n", "                pass\n",
           "the compiled step waits for each gather where it is issued: the next block's gather, issued before a "
           "block computes, finishes before that compute starts, and stage 3's prefetch overlaps nothing",
+          "issue 31", ("tests/test_comm_schedule.py::"
+                       "test_a_gather_waited_for_where_it_is_issued_completes_where_its_weights_are_read",)),
+    Plant("whole_step_gathers_issued_at_their_block", "zerofunc/comm_schedule.py",
+          "        for k in range(gather_depth, len(gathers)):  # 2. issue each before the completion `depth` ahead of it\n",
+          "        for k in ():\n",
+          "the compiled step issues each block's gather where the forward runs the block, none ahead: stage 3's "
+          "prefetch overlaps nothing",
           "issue 31", ("tests/test_whole_step.py::test_compiled_stage_3_keeps_its_blocks_and_the_prefetched_gathered",)),
     Plant("whole_step_backward_gathers_unbounded", "zerofunc/comm_schedule.py",
           "            completion = gathers[k - gather_depth][1]\n", "            completion = gathers[0][1]\n",
@@ -61,7 +68,7 @@ PLANTS: list[Plant] = [
           "                _issue_after_matmuls(collective, graph)\n", "                pass\n",
           "the compiled step issues a gradient's reduce-scatter where AOTAutograd left its sums, after the next "
           "block's matmuls: nothing is left to overlap it with",
-          "issue 31", ("tests/test_whole_step.py::test_compiled_stage_3_keeps_its_blocks_and_the_prefetched_gathered",)),
+          "issue 31", ("tests/test_comm_schedule.py::test_a_reduction_is_issued_as_soon_as_its_matmul_is_done",)),
     Plant("whole_step_ranks_issue_apart", "zerofunc/broadcast_gather.py",
           "             for r in range(group.size())]\n", "             for r in sorted(range(group.size()), reverse=rank > 0)]\n",
           "the ranks of the compiled step issue a gather's broadcasts in different orders (as the overlap pass "
