@@ -61,8 +61,8 @@ def test_the_first_reduction_completes_before_the_second_is_issued():
 def test_a_reduction_is_issued_as_soon_as_its_matmul_is_done():
     """A gradient's cheap tail (a sum, a concatenation) and its reduction left by AOTAutograd after the next block's
     matmul: both move up to just after the gradient's own matmul, so that the reduction overlaps the next one
-    (tests/plants.py: whole_step_reductions_issued_late). In the graphs of tests/test_whole_step.py's models, since
-    each gather is traced where its block runs, AOTAutograd leaves no tail behind: there the move finds nothing."""
+    (tests/plants.py: whole_step_reductions_issued_late; on the compiled step's own graphs, tests/test_whole_step.py
+    holds it at stages 0-2)."""
     g = torch.fx.Graph()
     x, w, v = g.placeholder("x"), g.placeholder("w"), g.placeholder("v")
     grad = g.call_function(aten.mm.default, (x, w))

@@ -68,7 +68,8 @@ PLANTS: list[Plant] = [
           "                _issue_after_matmuls(collective, graph)\n", "                pass\n",
           "the compiled step issues a gradient's reduce-scatter where AOTAutograd left its sums, after the next "
           "block's matmuls: nothing is left to overlap it with",
-          "issue 31", ("tests/test_comm_schedule.py::test_a_reduction_is_issued_as_soon_as_its_matmul_is_done",)),
+          "issue 31", ("tests/test_comm_schedule.py::test_a_reduction_is_issued_as_soon_as_its_matmul_is_done",
+                       "tests/test_whole_step.py::test_the_whole_step_trains_like_eager_and_sends_what_it_sends")),
     Plant("whole_step_ranks_issue_apart", "zerofunc/broadcast_gather.py",
           "             for r in range(group.size())]\n", "             for r in sorted(range(group.size()), reverse=rank > 0)]\n",
           "the ranks of the compiled step issue a gather's broadcasts in different orders (as the overlap pass "
