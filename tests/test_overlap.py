@@ -6,12 +6,14 @@ what the planner records, in test_ledger.py.
 """
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from fractions import Fraction
 from dataclasses import replace
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from sim.hardware import get_profile
 from tests.test_api import TokenMLP
@@ -223,23 +225,26 @@ def test_stage_3_holds_at_most_one_block_and_its_prefetch_gathered(most_gathered
 
 class Ordered(TokenMLP):
     """TokenMLP with four blocks, whose forward runs them in `order`: not the modules' order, one more than once,
-    one not at all."""
+    one not at all; with `checkpointed`, each through torch.utils.checkpoint (backward calls it again)."""
 
-    def __init__(self, order: tuple[int, ...]):
+    def __init__(self, order: tuple[int, ...], checkpointed: bool = False):
         super().__init__(depth=4)
-        self.order = order
+        self.order, self.checkpointed = order, checkpointed
 
     def runs(self, idx: torch.Tensor) -> list:
-        return [self.blocks[i] for i in self.order]
+        blocks = [self.blocks[i] for i in self.order]
+        return [functools.partial(checkpoint, b, use_reentrant=False) for b in blocks] if self.checkpointed else blocks
 
 
+CHECKPOINTED = "modules', checkpointed by the model"
 ORDERS = {"modules'": (0, 1, 2, 3), "reversed": (3, 2, 1, 0), "one run again": (0, 1, 2, 3, 0, 0),
-          "one not run": (0, 2, 3)}
+          "one not run": (0, 2, 3), CHECKPOINTED: (0, 1, 2, 3)}
 
 
-def _gathers_in_order(order: tuple[int, ...], overlap_comm: bool) -> tuple[int, int, list[tuple[int, int]]]:
-    """Three stage-3 steps of `Ordered(order)` as rank 0 of a simulated world of 3: (the most blocks gathered at
-    once, 1 + the prefetch depth, each step's (forward, backward) gathers as the ledger has them)."""
+def _gathers_in_order(order: tuple[int, ...], overlap_comm: bool,
+                      checkpointed: bool) -> tuple[int, int, list[tuple[int, int]]]:
+    """Three stage-3 steps of `Ordered(order, checkpointed)` as rank 0 of a simulated world of 3: (the most blocks
+    gathered at once, 1 + the prefetch depth, each step's (forward, backward) gathers as the ledger has them)."""
     from zerofunc.api import initialize
     from zerofunc.check.world import simulated_world
     from zerofunc.step import train_step
@@ -248,7 +253,7 @@ def _gathers_in_order(order: tuple[int, ...], overlap_comm: bool) -> tuple[int, 
               "zero_optimization": {"stage": 3, "overlap_comm": overlap_comm}}
     torch.manual_seed(0)
     with simulated_world(3) as comm:
-        engine = initialize(Ordered(order), config, comm=comm, device="cpu")
+        engine = initialize(Ordered(order, checkpointed), config, comm=comm, device="cpu")
         gathering, most = engine.gathering, 0
         for name in ("gather", "release"):
             def counted(*args, real=getattr(gathering, name), **kwargs):
@@ -273,7 +278,8 @@ def gathers_in_order() -> dict:
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return {(name, overlap_comm): pool.submit(_gathers_in_order, ORDERS[name], overlap_comm).result()
+        return {(name, overlap_comm): pool.submit(_gathers_in_order, ORDERS[name], overlap_comm,
+                                                  name == CHECKPOINTED).result()
                 for name in ORDERS for overlap_comm in (False, True)}
 
 
@@ -285,11 +291,12 @@ def test_stage_3_prefetches_in_the_order_the_forward_runs_its_blocks(gathers_in_
     memory: the gathered blocks stay the one computing and the prefetch depth. Once the order is learned, each
     run of a block is gathered once in forward and once in backward (a block run twice in a row once: it is
     kept), as are the embeddings and head (the root unit); prefetching in the modules' order instead gathers
-    blocks that do not run next, and holds them."""
+    blocks that do not run next, and holds them. A block the model checkpoints itself is gathered in backward
+    once, for its recomputation and its backward."""
     order = ORDERS[name]
     most, bound, steps = gathers_in_order[name, overlap_comm]
     assert most <= bound, f"{most} blocks gathered at once, against 1 + prefetch depth = {bound}"
     runs = 1 + sum(1 for i, b in enumerate(order) if i == 0 or order[i - 1] != b)  # the root, then each block's runs
     assert steps[1:] == [(runs, runs)] * 2
-    if name == "modules'":  # the first step's guess is right
+    if order == ORDERS["modules'"]:  # the first step's guess is right
         assert steps[0] == (runs, runs)

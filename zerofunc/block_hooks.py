@@ -15,9 +15,8 @@ import zlib
 
 import torch
 
-from zerofunc.binding import bind, installed
+from zerofunc.binding import bind
 from zerofunc.collectives import alike_on_every_rank
-from zerofunc.recompute import own_checkpointing_off
 from zerofunc.units import Unit
 
 
@@ -130,8 +129,7 @@ class BlockHooks:
         self.gathering.regather(unit)
         unit.bound = bind(self.model, self._unit_views(unit))
         try:
-            with installed({}, settings=own_checkpointing_off(unit.module)):
-                yield
+            yield
         finally:
             bind(self.model, unit.bound)
             unit.bound = None

@@ -97,21 +97,15 @@ class ActivationCheckpointing:
 
 
 def step_settings(model: torch.nn.Module, on: bool) -> list:
-    """What `binding.installed` sets in `model` while a step runs: with checkpointing `on`, every
-    `LinearCrossEntropy` head recomputes its logits in backward, chunk by chunk, eager or in a compiled step
-    (zerofunc/lm_head.py); and the model's own checkpointing off (Hugging Face's `gradient_checkpointing`,
-    which `gradient_checkpointing_enable()` sets): its recomputation runs in backward, outside the engine's
-    forward, where the module's weights are the released placeholders. `model_checkpoints` turns it into
-    the engine's."""
+    """What `binding.installed` sets in `model` while a step runs, forward and backward: with checkpointing `on`,
+    every `LinearCrossEntropy` head recomputes its logits in backward, chunk by chunk, eager or in a compiled
+    step (zerofunc/lm_head.py); and the model's own checkpointing off (Hugging Face's `gradient_checkpointing`,
+    which `gradient_checkpointing_enable()` sets): it checkpoints a layer's forward inside the module's hooks,
+    so its recomputation in backward would run without them, on the released weights, and inside the engine's
+    own recomputation it would checkpoint the block again. `model_checkpoints` turns it into the engine's."""
     from zerofunc.lm_head import LinearCrossEntropy
-    heads = [(m, "recompute", on) for m in model.modules() if isinstance(m, LinearCrossEntropy)]
-    return heads + own_checkpointing_off(model)
-
-
-def own_checkpointing_off(module: torch.nn.Module) -> list:
-    """The settings that turn the module's own checkpointing off while a step runs, and while the engine
-    recomputes a block (where Hugging Face's would checkpoint the recomputation again)."""
-    return [(m, "gradient_checkpointing", False) for m in module.modules() if hasattr(m, "gradient_checkpointing")]
+    return ([(m, "recompute", on) for m in model.modules() if isinstance(m, LinearCrossEntropy)]
+            + [(m, "gradient_checkpointing", False) for m in model.modules() if hasattr(m, "gradient_checkpointing")])
 
 
 def model_checkpoints(model: torch.nn.Module) -> bool:

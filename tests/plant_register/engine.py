@@ -221,15 +221,10 @@ PLANTS: list[Plant] = [
           "issue 31 (any nn.Module)",
           ("tests/test_api.py::test_ranks_that_run_different_blocks_are_refused_under_detail_debugging",)),
     Plant("model_checkpointing_left_on", "zerofunc/recompute.py",
-          "    return heads + own_checkpointing_off(model)\n", "    return heads\n",
+          "            + [(m, \"gradient_checkpointing\", False) for m in model.modules() if hasattr(m, \"gradient_checkpointing\")])\n",
+          ")\n",
           "a Hugging Face model's own gradient checkpointing stays on in the engine's step: backward recomputes its "
           "layers outside the engine's forward, on the module's released (meta) weights, and fails",
-          "issue 31 (any nn.Module)", ("tests/test_hf.py::test_hugging_face_models_checkpointed_train_like_one_device[gpt2-eager-own]",)),
-    Plant("model_checkpointing_in_the_recompute", HOOKS,
-          "            with installed({}, settings=own_checkpointing_off(unit.module)):\n                yield\n",
-          "            yield\n",
-          "the engine's recomputation of a block runs the model's own checkpointing again inside it: torch's "
-          "checkpoint finds other tensors saved than in forward, and fails",
           "issue 31 (any nn.Module)", ("tests/test_hf.py::test_hugging_face_models_checkpointed_train_like_one_device[gpt2-eager-own]",)),
     Plant("model_checkpointing_not_taken_over", "zerofunc/api.py",
           "    if not checkpointing.on and units and model_checkpoints(model):", "    if False:",
@@ -254,5 +249,7 @@ PLANTS: list[Plant] = [
           "                if self.gathering.in_backward:\n", "                if False:\n",
           "a block the model's own checkpoint recomputes in backward is entered as in forward: counted as a run of "
           "the backward's order, which then loses its place",
-          "issue 31 (any nn.Module)", ("tests/test_api.py::test_initialize_trains_any_module_like_one_device[3-self-checkpointed-blocks6]",)),
+          "issue 31 (any nn.Module)",
+          ("tests/test_overlap.py::test_stage_3_prefetches_in_the_order_the_forward_runs_its_blocks[modules', "
+           "checkpointed by the model-depth-1]",)),
 ]
