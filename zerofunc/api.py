@@ -29,7 +29,7 @@ def initialize(model: nn.Module, config: dict | str | Path | Config, *, device: 
     own copies are then released (only the engine's flat buffers hold weights); a model
     on the meta device needs `init`, or an `init_param(name, shape, seed)` method. The
     module is otherwise left as it was: the engine's hooks and forwards are in it only while
-    the engine's forward runs (zerofunc/binding.py), so `model.eval()` and `model.train()`
+    the engine's forward or backward runs (zerofunc/binding.py), so `model.eval()` and `model.train()`
     still set what the engine runs.
     `compile` (else the config's `compile` key): "blocks" (or True) runs each block's compute through
     torch.compile, "whole" compiles the whole step with its collectives (zerofunc/whole_step.py), False

@@ -3,7 +3,8 @@
 The model's own forward calls its blocks, so the engine reaches a block only through the block: its
 views are bound in place of the module's parameters while it runs (`bind`), and its forward and hooks
 (the engine's gather, bind and release; a compiled or checkpointed forward) are set in the caller's
-modules only while the engine's forward runs (`installed`). Between the engine's calls the module is the
+modules only while the engine's forward or backward runs (`installed`: backward calls a block again when
+the model checkpoints its own blocks). Between the engine's calls the module is the
 caller's as it was: no hook, no forward of the engine's, no attribute changed. Its weights excepted:
 `zerofunc.initialize` moves them into the engine's flat buffers (the module keeps meta tensors in their
 place), as DeepSpeed's ZeRO-3 and FSDP2 replace them in place, since keeping both copies would double

@@ -154,8 +154,8 @@ class ZeroEngine(BlockHooks, WholeState):
         # what the engine's forward sets in the caller's modules while it runs (zerofunc/binding.py)
         self._forwards, self._pre_hooks, self._post_hooks = {}, {}, {}
         for i, unit in enumerate(self.gathering.blocks):
-            pre, post = self._pre_hooks[unit.module], self._post_hooks[unit.module] = (self._gather_and_bind(unit),
-                                                                                       self._unbind_and_release(unit))
+            pre, post = self._gather_and_bind(unit), self._unbind_and_release(unit)
+            self._pre_hooks[unit.module], self._post_hooks[unit.module] = pre, post
             forward = unit.module.forward
             if compile:  # the block's compute only: its hooks gather, bind and release outside the graph
                 forward = torch.compile(forward)
@@ -175,7 +175,7 @@ class ZeroEngine(BlockHooks, WholeState):
         is gathered), which also starts the block's segment of the tape: the hooks are the
         adapter through which the model's own forward, not the engine, says where blocks
         start. They, and the blocks' forwards the engine runs (unwatched by the tape, compiled,
-        checkpointed), are in the caller's modules for this call only (zerofunc/binding.py).
+        checkpointed), are in the caller's modules for this call and its backward only (zerofunc/binding.py).
         The root unit is bound (and under stage 3 gathered) for the whole call.
         """
         if self.whole is not None:
