@@ -28,9 +28,8 @@ def evaluate(engine: ZeroEngine, batches: Sequence[Sequence[torch.Tensor]]) -> f
     try:
         for batch in batches:
             total += loss_of(engine(*batch)).float()
-    finally:
+    finally:  # (the engine's forward releases what it gathered, a prefetch in vain included)
         model.train(training)
-        engine.gathering.release_blocks()  # a prefetch past the last block must not stay gathered
     mean = total / len(batches)
     engine.reduce_data_parallel(mean, tag="metrics")
     return mean.item()
