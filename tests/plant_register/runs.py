@@ -83,7 +83,7 @@ PLANTS: list[Plant] = [
           "count = count * engine.data_parallel_size",
           "each rank normalizes the loss by its own token count times N: ranks weigh tokens differently",
           "issue 24 note", (EQ2,)),
-    Plant("evaluate_leaves_eval_mode", "train/evaluate.py", "        model.train(training)\n", "",
+    Plant("evaluate_leaves_eval_mode", "train/evaluate.py", "        model.train(training)\n", "        pass\n",
           "after an evaluation the model trains in eval mode: dropout is off", "issue 24 note",
           ("tests/test_evaluate.py", *FAST)),
     Plant("pretrained_reads_whole_tensors", "zerofunc/hf_files.py",
