@@ -25,8 +25,10 @@ gradients their leaves received; `torch.autograd.grad` over them gives the gradi
 segment's own leaves (handed on to the segments that made their tensors) and of the weights
 asked for. Nothing is computed twice and nothing is saved that one graph would not save: the
 leaves share their tensors' storage, and the graph of each segment is freed as it is
-differentiated. In fp32 the gradients are bit for bit those of `loss.backward()`
-(tests/test_tape.py): autograd sums the same terms in the same order.
+differentiated. In fp32 the gradients are those of `loss.backward()`, the same terms summed: bit for
+bit where autograd adds them in the same order (tests/test_tape.py), which it need not where a
+segment's outputs' gradients meet again inside it (a block's output read by the next block and by an
+auxiliary loss: one fp32 ulp apart, in a probe).
 
 Weights are not tagged: a unit's buffer (and the views the model computes with) is a leaf the
 step makes, and `grad` returns its gradient from the segments that used it; a weight used in
