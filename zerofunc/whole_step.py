@@ -12,7 +12,9 @@ How each stage brings a unit's weights into its block, and takes its gradient ou
   again, and no gathered block lives from forward to backward. Each gather is traced where the forward runs
   its block; zerofunc/comm_schedule.py issues it the prefetch depth ahead, forward and backward, in the order
   the forward ran the blocks, whatever order the model's code picks. A block run again later (not next) is
-  gathered once: the compiler merges its identical gathers, and holds it from its first run to its last.
+  gathered once: AOTAutograd's CSE merges its identical gathers, and holds it from its first run to its last
+  (with `torch._functorch.config.cse` off, a probe gathered it at each run, within the bound; not done: CSE
+  serves the whole graph, and its cost unmeasured).
 - stage 2: the whole weights every rank keeps, through an identity whose backward is the reduce-scatter.
 - stages 0-1: the whole weights, their gradient kept whole over the accumulation's micro-batches, then
   all-reduced (stage 0) or reduce-scattered (stage 1), where `reduces_in_backward` says: on a GPU in the
