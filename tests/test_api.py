@@ -3,149 +3,17 @@ loss is the global batch's token mean, however its ignored targets (-100) fall o
 from __future__ import annotations
 
 import copy
-import functools
 
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 import zerofunc
 from tests.bare import in_world
-from tests.steps import check_steps, ignore_some, record_step
+from tests.modules import MODULES, OPTIM, PartlyRunLM, ResidualMLP, SequentialLM, TokenMLP, micro_batches
+from tests.steps import check_steps, record_step
 from zerofunc.step import train_step
 from zerofunc.stages import STAGES
-
-
-class ResidualMLP(nn.Module):
-    """Not a GPT: odd widths, a ModuleList of blocks, a loss computed in forward."""
-
-    def __init__(self, d_in: int = 7, width: int = 13, depth: int = 3):
-        super().__init__()
-        self.inp = nn.Linear(d_in, width)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU())
-                                    for _ in range(depth))
-        self.out = nn.Linear(width, 1)
-
-    def forward(self, x, y):
-        h = self.inp(x)
-        for block in self.blocks:
-            h = h + block(h)
-        return F.mse_loss(self.out(h).squeeze(-1), y)
-
-
-class TokenMLP(nn.Module):
-    """A language model that is not a transformer, in Hugging Face's convention: its forward takes
-    `num_items_in_batch` and returns the summed token loss divided by it (the targets' own mean without it)."""
-
-    def __init__(self, vocab: int = 19, width: int = 11, depth: int = 2):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, width)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU())
-                                    for _ in range(depth))
-        self.head = nn.Linear(width, vocab)
-
-    def runs(self, idx: torch.Tensor) -> list[nn.Module]:
-        """The blocks in the order the forward runs them."""
-        return list(self.blocks)
-
-    def forward(self, idx, targets, num_items_in_batch=None):
-        h = self.emb(idx)
-        for block in self.runs(idx):
-            h = h + block(h)
-        logits, t = self.head(h).flatten(0, 1).float(), targets.flatten()
-        if num_items_in_batch is None:
-            return F.cross_entropy(logits, t, ignore_index=-100)
-        return F.cross_entropy(logits, t, ignore_index=-100, reduction="sum") / num_items_in_batch
-
-
-class ReusedLM(TokenMLP):
-    """TokenMLP whose forward runs its first block again after the last, twice (weights shared across depth, as
-    ALBERT's): that block's gradient is the sum over its three runs, reduced once a micro-step."""
-
-    def runs(self, idx: torch.Tensor) -> list[nn.Module]:
-        return [*self.blocks, self.blocks[0], self.blocks[0]]
-
-
-class PartlyRunLM(TokenMLP):
-    """TokenMLP with four blocks: the forward runs the second only on sequences of more than 4 tokens (a step's
-    first micro-step; the accumulation boundary's are shorter: `micro_batches`), the fourth never (a module the
-    loss does not use). The second's gradient is the first micro-step's; the fourth's is zero, as DeepSpeed's
-    ignore_unused_parameters has it: AdamW still steps it (its weight decay)."""
-
-    def __init__(self):
-        super().__init__(depth=4)
-
-    def runs(self, idx: torch.Tensor) -> list[nn.Module]:
-        return [self.blocks[0], *([self.blocks[1]] if idx.shape[1] > 4 else []), self.blocks[2]]
-
-
-class CalledDirectlyLM(TokenMLP):
-    """TokenMLP whose forward calls its second block's forward method (`block.forward(h)`), which runs none of the
-    module's hooks, where the engine learns that a block starts and ends."""
-
-    def runs(self, idx: torch.Tensor) -> list:
-        return [self.blocks[0], self.blocks[1].forward]
-
-
-class SelfCheckpointedLM(TokenMLP):
-    """TokenMLP that checkpoints its own blocks (`torch.utils.checkpoint`, as timm's `set_grad_checkpointing` and
-    much research code do): backward calls each block again to recompute it."""
-
-    def runs(self, idx: torch.Tensor) -> list:
-        return [functools.partial(checkpoint, block, use_reentrant=False) for block in self.blocks]
-
-
-class Residual(nn.Module):
-    def __init__(self, width: int):
-        super().__init__()
-        self.f = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU())
-
-    def forward(self, h):
-        return h + self.f(h)
-
-
-class SequentialLM(TokenMLP):
-    """TokenMLP with its blocks in an nn.Sequential that runs them (as timm's vision transformers keep
-    theirs), and in it too the embedding and a head tied to it: stage 3 gathers each block (and the final
-    norm) alone, and leaves the embedding and the head, which share a weight, to the root unit."""
-
-    def __init__(self, vocab: int = 19, width: int = 11, depth: int = 2):
-        nn.Module.__init__(self)
-        emb, head = nn.Embedding(vocab, width), nn.Linear(width, vocab, bias=False)
-        head.weight = emb.weight
-        self.layers = nn.Sequential(emb, *(Residual(width) for _ in range(depth)), nn.LayerNorm(width), head)
-
-    def forward(self, idx, targets, num_items_in_batch=None):
-        logits, t = self.layers(idx).flatten(0, 1).float(), targets.flatten()
-        if num_items_in_batch is None:
-            return F.cross_entropy(logits, t, ignore_index=-100)
-        return F.cross_entropy(logits, t, ignore_index=-100, reduction="sum") / num_items_in_batch
-
-
-MODULES = {"regression": ResidualMLP, "tokens": TokenMLP, "sequential": SequentialLM, "reused": ReusedLM,
-           "partly run": PartlyRunLM, "called directly": CalledDirectlyLM, "self-checkpointed": SelfCheckpointedLM}
-OPTIM = {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-5, "weight_decay": 0.1}}
-
-
-def batches(kind: str, rows: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """A global batch for `kind`: features and regression targets, or tokens and next-token targets with
-    ignored positions (-100) that count differently on each rank and micro-step."""
-    if kind == "regression":
-        return torch.randn(rows, 7, generator=gen), torch.randn(rows, generator=gen)
-    tokens = torch.randint(0, 19, (rows, 6), generator=gen)
-    return tokens[:, :-1], ignore_some(tokens[:, 1:], gen)
-
-
-def micro_batches(kind: str, world: int, accum: int, gen: torch.Generator) -> list[tuple]:
-    """A step's micro-batches of 2 rows, every rank's: micro-step j of rank r takes j * world + r. For a
-    PartlyRunLM, micro-step j's sequences are j tokens shorter than the first's."""
-    x, y = batches(kind, 2 * world * accum, gen)
-    everyone = [(x[i * 2:(i + 1) * 2], y[i * 2:(i + 1) * 2]) for i in range(world * accum)]
-    if kind == "partly run":
-        everyone = [(a[:, :5 - i // world], b[:, :5 - i // world]) for i, (a, b) in enumerate(everyone)]
-    return everyone
 
 
 def four_lines(stage: int, accum: int, kind: str):

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import zerofunc
 from tests.bare import in_world
 from tests.steps import check_steps, recorded_steps
-from tests.test_api import OPTIM, ResidualMLP, TokenMLP, batches
+from tests.modules import OPTIM, ResidualMLP, TokenMLP, batches
 from zerofunc.stages import STAGES
 
 

@@ -18,7 +18,7 @@ from safetensors import safe_open
 import zerofunc
 from tests.bare import in_world
 from tests.steps import recorded_steps
-from tests.test_api import OPTIM, batches
+from tests.modules import OPTIM, batches
 from tests.test_checkpoint_files import flip_last_byte
 from tests.test_frozen import frozen_model
 from zerofunc import checkpoint

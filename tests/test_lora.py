@@ -12,7 +12,7 @@ import torch
 import zerofunc
 from tests.bare import in_world
 from tests.steps import check_steps, ignore_some, record_step, recorded_steps
-from tests.test_api import OPTIM, TokenMLP, batches
+from tests.modules import OPTIM, TokenMLP, batches
 from zerofunc.layout import ALIGN
 from zerofunc.lora import LoRA, WithAdapters, adapter_value, apply_lora, targets
 from zerofunc.models import build_model, model_config

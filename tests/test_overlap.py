@@ -6,17 +6,15 @@ what the planner records, in test_ledger.py.
 """
 from __future__ import annotations
 
-import functools
 from collections import Counter
 from fractions import Fraction
 from dataclasses import replace
 
 import pytest
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from sim.hardware import get_profile
-from tests.test_api import TokenMLP
+from tests.modules import CHECKPOINTED, ORDERS, Ordered
 from zerofunc.comm import GLOO_STAGING
 from zerofunc.layout import FlatLayout
 from zerofunc.models import GPT, GPTConfig
@@ -182,17 +180,11 @@ def _most_blocks_gathered(overlap_comm: bool, checkpointing: bool) -> tuple[int,
         config["activation_checkpointing"] = {}
     with simulated_world(3) as comm:
         engine = initialize(build_model(CFG), config, comm=comm, device="cpu")
-        gathering, most = engine.gathering, 0
-        for name in ("gather", "release"):  # every change of what is gathered passes through one of these
-            def counted(*args, real=getattr(gathering, name), **kwargs):
-                nonlocal most
-                real(*args, **kwargs)
-                most = max(most, sum(u.gathered for u in gathering.blocks))
-            setattr(gathering, name, counted)
+        gathering, most = engine.gathering, watch_gathered(engine.gathering)
         ids = torch.randint(0, CFG.vocab_size, (2, CFG.block_size + 1))
         for _ in range(2):
             train_step(engine, [(ids[:, :-1], ids[:, 1:])])
-        return most, 1 + gathering.overlap.prefetch_depth
+        return most(), 1 + gathering.overlap.prefetch_depth
 
 
 CASES = [(overlap_comm, checkpointing) for overlap_comm in (False, True) for checkpointing in (False, True)]
@@ -202,13 +194,31 @@ def _every_case() -> dict:
     return {case: _most_blocks_gathered(*case) for case in CASES}
 
 
-@pytest.fixture(scope="module")
-def most_gathered() -> dict:
+def watch_gathered(gathering):
+    """Watch a stage-3 engine's gathering: every change of what is gathered passes through its `gather` or
+    `release`. Returns a function giving the most blocks gathered at once so far."""
+    most = 0
+    for name in ("gather", "release"):
+        def counted(*args, real=getattr(gathering, name), **kwargs):
+            nonlocal most
+            real(*args, **kwargs)
+            most = max(most, sum(u.gathered for u in gathering.blocks))
+        setattr(gathering, name, counted)
+    return lambda: most
+
+
+def in_a_fresh_process(fn, *args):
+    """`fn(*args)` in a spawned process: a simulated world needs one without a process group."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_every_case).result()
+        return pool.submit(fn, *args).result()
+
+
+@pytest.fixture(scope="module")
+def most_gathered() -> dict:
+    return in_a_fresh_process(_every_case)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["kept", "recomputed"])
@@ -221,24 +231,6 @@ def test_stage_3_holds_at_most_one_block_and_its_prefetch_gathered(most_gathered
     most, bound = most_gathered[overlap_comm, checkpointing]
     assert bound == (2 if overlap_comm else 1)
     assert most == bound, f"{most} of {CFG.n_layer} blocks gathered at once, against 1 + prefetch depth = {bound}"
-
-
-class Ordered(TokenMLP):
-    """TokenMLP with four blocks, whose forward runs them in `order`: not the modules' order, one more than once,
-    one not at all; with `checkpointed`, each through torch.utils.checkpoint (backward calls it again)."""
-
-    def __init__(self, order: tuple[int, ...], checkpointed: bool = False):
-        super().__init__(depth=4)
-        self.order, self.checkpointed = order, checkpointed
-
-    def runs(self, idx: torch.Tensor) -> list:
-        blocks = [self.blocks[i] for i in self.order]
-        return [functools.partial(checkpoint, b, use_reentrant=False) for b in blocks] if self.checkpointed else blocks
-
-
-CHECKPOINTED = "modules', checkpointed by the model"
-ORDERS = {"modules'": (0, 1, 2, 3), "reversed": (3, 2, 1, 0), "one run again": (0, 1, 2, 3, 0, 0),
-          "one not run": (0, 2, 3), CHECKPOINTED: (0, 1, 2, 3)}
 
 
 def _gathers_in_order(order: tuple[int, ...], overlap_comm: bool,
@@ -254,13 +246,7 @@ def _gathers_in_order(order: tuple[int, ...], overlap_comm: bool,
     torch.manual_seed(0)
     with simulated_world(3) as comm:
         engine = initialize(Ordered(order, checkpointed), config, comm=comm, device="cpu")
-        gathering, most = engine.gathering, 0
-        for name in ("gather", "release"):
-            def counted(*args, real=getattr(gathering, name), **kwargs):
-                nonlocal most
-                real(*args, **kwargs)
-                most = max(most, sum(u.gathered for u in gathering.blocks))
-            setattr(gathering, name, counted)
+        gathering, most = engine.gathering, watch_gathered(engine.gathering)
         ids, steps = torch.randint(0, 19, (2, 7)), []
         for _ in range(3):
             before = len(comm.ledger.entries)
@@ -269,18 +255,17 @@ def _gathers_in_order(order: tuple[int, ...], overlap_comm: bool,
             for e in comm.ledger.entries[before:]:
                 gathers[e.tag] += {"all_gather": 1, "broadcast": Fraction(1, e.group_size)}.get(e.op, 0)
             steps.append((gathers["params.fwd"], gathers["params.bwd"]))
-        return most, 1 + gathering.overlap.prefetch_depth, steps
+        return most(), 1 + gathering.overlap.prefetch_depth, steps
+
+
+def _every_order() -> dict:
+    return {(name, overlap_comm): _gathers_in_order(ORDERS[name], overlap_comm, name == CHECKPOINTED)
+            for name in ORDERS for overlap_comm in (False, True)}
 
 
 @pytest.fixture(scope="module")
 def gathers_in_order() -> dict:
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return {(name, overlap_comm): pool.submit(_gathers_in_order, ORDERS[name], overlap_comm,
-                                                  name == CHECKPOINTED).result()
-                for name in ORDERS for overlap_comm in (False, True)}
+    return in_a_fresh_process(_every_order)
 
 
 @pytest.mark.parametrize("overlap_comm", [False, True], ids=["depth-0", "depth-1"])

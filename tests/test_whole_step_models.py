@@ -58,7 +58,7 @@ def test_a_hugging_face_gpt2_compiled_whole_trains_like_eager_at_stage_2():
 
 def _blocks_run_unevenly(stage: int, kind: str):
     import zerofunc
-    from tests.test_api import MODULES, micro_batches
+    from tests.modules import MODULES, micro_batches
     from zerofunc.whole_step import WholeStep
     WholeStep.backend = "aot_eager"
     WholeStep.reduce_in_backward = True  # a GPU's: the boundary's backward reduces, the earlier micro-batch's sum added
@@ -89,7 +89,7 @@ def _every_case() -> list:
 
 def test_blocks_run_unevenly_compiled_whole_train_like_eager():
     """Where stages 0-1 reduce in the accumulation boundary's backward (a GPU's layout), the earlier micro-batch's
-    sum added: a block the forward runs three times (tests/test_api.py's ReusedLM) reduces each run's gradient
+    sum added: a block the forward runs three times (tests/modules.py's ReusedLM) reduces each run's gradient
     as the run's backward ends, the sum added once, not at every run; a block the boundary's forward does not run
     (PartlyRunLM) has its sum reduced all the same, and one no forward runs gets a zero gradient. On 2 ranks, 2
     micro-batches a step, 3 clipped steps, held to eager (which tests/test_api.py holds to one device) within the
@@ -137,7 +137,7 @@ def test_engines_past_dynamo_s_recompile_limit_are_compiled_too():
 
 def _stage_3_in_order(name: str):
     import zerofunc
-    from tests.test_overlap import ORDERS, Ordered
+    from tests.modules import ORDERS, Ordered
     from zerofunc.whole_step import WholeStep
     WholeStep.backend = "aot_eager"
     out = []
