@@ -53,3 +53,33 @@ LLAMA_LIKE: dict[str, Callable[[], nn.Module]] = {
     "gptj": _family("GPTJForCausalLM", "GPTJConfig", n_layer=2, n_embd=32, n_head=4, rotary_dim=4, n_positions=32,
                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
 }
+
+_SEQ2SEQ = dict(d_model=32, encoder_ffn_dim=40, decoder_ffn_dim=40, encoder_attention_heads=4, decoder_attention_heads=4,
+                dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, decoder_start_token_id=0)
+
+_T5GEMMA_STACK = dict(num_hidden_layers=2, hidden_size=16, intermediate_size=20, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=8, vocab_size=53, attention_dropout=0.0)
+
+# Models of two stacks of blocks, each family's builder and its stacks (encoder's first): T5's relative position bias
+# made by each stack's first block and handed on to the others, BART's and Whisper's learned positions (Whisper's
+# encoder over log-mel features through two convolutions), T5Gemma's Gemma 2 layers whose loss divides by the
+# count it is given, CLIP's text and vision towers
+TWO_STACKS: dict[str, tuple[Callable[[], nn.Module], tuple[str, str]]] = {
+    "t5": (_family("T5ForConditionalGeneration", "T5Config", num_layers=2, num_decoder_layers=3, d_model=32, d_ff=40,
+                   num_heads=4, d_kv=8, dropout_rate=0.0, decoder_start_token_id=0), ("encoder.block", "decoder.block")),
+    "bart": (_family("BartForConditionalGeneration", "BartConfig", encoder_layers=2, decoder_layers=2,
+                     max_position_embeddings=32, forced_eos_token_id=None, **_SEQ2SEQ),
+             ("model.encoder.layers", "model.decoder.layers")),
+    "whisper": (_family("WhisperForConditionalGeneration", "WhisperConfig", encoder_layers=2, decoder_layers=2,
+                        num_mel_bins=8, max_source_positions=16, max_target_positions=16, **_SEQ2SEQ),
+                ("model.encoder.layers", "model.decoder.layers")),
+    "t5gemma": (_family("T5GemmaForConditionalGeneration", "T5GemmaConfig", encoder=_T5GEMMA_STACK,
+                        decoder={**_T5GEMMA_STACK, "num_hidden_layers": 3}, dropout_rate=0.0, attention_dropout=0.0,
+                        decoder_start_token_id=0), ("model.encoder.layers", "model.decoder.layers")),
+    "clip": (lambda: __import__("transformers").CLIPModel(__import__("transformers").CLIPConfig(
+        text_config=dict(num_hidden_layers=2, hidden_size=32, intermediate_size=40, num_attention_heads=4,
+                         vocab_size=53, max_position_embeddings=16),
+        vision_config=dict(num_hidden_layers=3, hidden_size=32, intermediate_size=40, num_attention_heads=4,
+                           image_size=16, patch_size=8))),
+             ("text_model.encoder.layers", "vision_model.encoder.layers")),
+}

@@ -120,8 +120,47 @@ class SequentialLM(TokenMLP):
         return F.cross_entropy(logits, t, ignore_index=-100, reduction="sum") / num_items_in_batch
 
 
+class CrossBlock(nn.Module):
+    """A decoder block: its input plus what the encoder made (`memory`), read once."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.f = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU())
+
+    def forward(self, h, memory):
+        return h + self.f(h + memory)
+
+
+class EncoderDecoderLM(TokenMLP):
+    """TokenMLP as an encoder and a decoder, two stacks of blocks of their own classes (T5's, BART's, Whisper's
+    shape): 2 encoder blocks over the tokens, then 3 decoder blocks over the tokens' own decoder embedding that
+    each read the encoder's output. Stage 3 gathers the blocks of both stacks, the smaller too, each alone.
+
+    (One embedding for both would be one device's only within a wider budget than tests/steps.py's: its output's
+    gradient, from the two stacks, is summed in another order than one autograd graph sums it.)"""
+
+    def __init__(self, vocab: int = 19, width: int = 11):
+        super().__init__(vocab, width, depth=0)
+        del self.blocks
+        self.dec_emb = nn.Embedding(vocab, width)
+        self.encoder = nn.ModuleList(Residual(width) for _ in range(2))
+        self.decoder = nn.ModuleList(CrossBlock(width) for _ in range(3))
+
+    def forward(self, idx, targets, num_items_in_batch=None):
+        h, memory = self.dec_emb(idx), self.emb(idx)
+        for block in self.encoder:
+            memory = block(memory)
+        for block in self.decoder:
+            h = block(h, memory)
+        logits, t = self.head(h).flatten(0, 1).float(), targets.flatten()
+        if num_items_in_batch is None:
+            return F.cross_entropy(logits, t, ignore_index=-100)
+        return F.cross_entropy(logits, t, ignore_index=-100, reduction="sum") / num_items_in_batch
+
+
 MODULES = {"regression": ResidualMLP, "tokens": TokenMLP, "sequential": SequentialLM, "reused": ReusedLM,
-           "partly run": PartlyRunLM, "called directly": CalledDirectlyLM, "self-checkpointed": SelfCheckpointedLM}
+           "partly run": PartlyRunLM, "called directly": CalledDirectlyLM, "self-checkpointed": SelfCheckpointedLM,
+           "encoder-decoder": EncoderDecoderLM}
 OPTIM = {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-5, "weight_decay": 0.1}}
 
 

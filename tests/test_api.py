@@ -60,7 +60,9 @@ def four_lines_world() -> list[dict]:
                                          ("reused", ["blocks.0", "blocks.1"]),
                                          ("partly run", ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]),
                                          ("called directly", ["blocks.0", "blocks.1"]),
-                                         ("self-checkpointed", ["blocks.0", "blocks.1"])])
+                                         ("self-checkpointed", ["blocks.0", "blocks.1"]),
+                                         ("encoder-decoder", ["encoder.0", "encoder.1", "decoder.0", "decoder.1",
+                                                              "decoder.2"])])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_initialize_trains_any_module_like_one_device(four_lines_world, stage, kind, blocks):
     """2 gloo ranks, 2 micro-steps per step, DeepSpeed's calls as train_step makes them: the module's own
@@ -70,7 +72,8 @@ def test_initialize_trains_any_module_like_one_device(four_lines_world, stage, k
     the Sequential's embedding and tied head are the root's. A block the forward runs three times gets the sum
     of its runs' gradients; one it runs at the first micro-step only, that one's; one it never runs, zero. A
     block whose forward method the model calls directly runs its hooks all the same; one the model checkpoints
-    itself is gathered and bound again when backward calls it to recompute it."""
+    itself is gathered and bound again when backward calls it to recompute it. An encoder's blocks and a decoder's,
+    two stacks, are all units, in the modules' order."""
     for units, released, same_start in (per_rank[kind][stage] for per_rank in four_lines_world):
         assert units == ["", *blocks]
         assert released  # the module's own weights are gone; the engine's shards hold them
@@ -192,3 +195,33 @@ def test_a_block_the_boundary_does_not_run_is_averaged_over_replicas_and_offload
     reduce-scattered at the first micro-step only, and at the boundary its shard must still be averaged over
     the replicas and taken down to the host; each step one device's within fp32 rounding (tests/steps.py)."""
     assert len(in_world(4, _partly_run_at_stages_2_and_3)) == 4  # check_steps asserts inside every rank
+
+
+class SaysItsLossTakesNoKeywords(TokenMLP):
+    """TokenMLP whose forward takes **kwargs that do not reach its loss, and says so as Hugging Face's models do
+    (`accepts_loss_kwargs = False`, Qwen2.5-VL's among them): it refuses a keyword, as a module it handed them to
+    would."""
+
+    accepts_loss_kwargs = False
+
+    def forward(self, idx, targets, **kwargs):
+        if kwargs:
+            raise TypeError(f"forward() got unexpected keyword(s) {sorted(kwargs)}")
+        return super().forward(idx, targets)
+
+
+def _own_loss_and_logged() -> tuple[float, float]:
+    torch.manual_seed(0)
+    model = SaysItsLossTakesNoKeywords()
+    batch = micro_batches("tokens", 1, 1, torch.Generator().manual_seed(1))
+    own = model(*batch[0]).item()
+    engine = zerofunc.initialize(model, {"train_micro_batch_size_per_gpu": 2, "optimizer": OPTIM})
+    return own, train_step(engine, batch).item()
+
+
+def test_a_model_whose_loss_takes_no_keywords_gets_none():
+    """A model that says its loss takes no keywords is handed no num_items_in_batch (as Hugging Face's Trainer
+    decides), though its forward takes **kwargs: its loss stays its own, the micro-batch's token mean, which one
+    micro-batch on one rank logs as it is."""
+    own, logged = in_world(1, _own_loss_and_logged)[0]
+    assert logged == own, f"logged {logged!r}, the model's own loss {own!r}"

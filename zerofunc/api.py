@@ -85,9 +85,12 @@ def initialize(model: nn.Module, config: dict | str | Path | Config, *, device: 
 
 
 def default_units(model: nn.Module) -> list[str]:
-    """Stage 3's gather units: the model's own `shard_units()`, else the children of its largest
-    ModuleList or Sequential below the root (the stack of blocks: a ModuleList in most models, Hugging
-    Face's among them, an nn.Sequential in others, timm's vision transformers), else none.
+    """Stage 3's gather units: the model's own `shard_units()`, else the children of its stacks of blocks
+    below the root, in the modules' order; else none. The stacks: its largest ModuleList or Sequential (the
+    stack of blocks: a ModuleList in most models, Hugging Face's among them, an nn.Sequential in others,
+    timm's vision transformers), and every other one outside it whose children are blocks of one class (at
+    least two modules of modules): an encoder's layers beside a decoder's (T5, BART, Whisper), a vision
+    tower's beside a text model's (CLIP). Left in the root unit, each of those would stay gathered all step.
 
     A child without parameters (an activation between blocks) is no unit; nor is one that shares a
     parameter with any other module of the model (a head tied to an embedding, one layer listed twice):
@@ -95,17 +98,32 @@ def default_units(model: nn.Module) -> list[str]:
     parameters stay in the root unit."""
     if hasattr(model, "shard_units"):
         return list(model.shard_units())
-    stacks = [(name, m) for name, m in model.named_modules()
-              if name and isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m)]
+    size = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    stacks = sorted(((name, m) for name, m in model.named_modules()
+                     if name and isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m)),
+                    key=lambda nm: -size(nm[1]))  # stable: the modules' order among equals
     if not stacks:
         return []
-    name, blocks = max(stacks, key=lambda nm: sum(p.numel() for p in nm[1].parameters()))
-    holders: dict[int, set[str]] = defaultdict(set)  # each parameter: the children of the stack that hold it,
-    for pname, p in model.named_parameters(remove_duplicate=False):  # or "" for any module outside them
-        child = pname[len(name) + 1:].split(".")[0] if pname.startswith(f"{name}.") else ""
-        holders[id(p)].add(child)
-    return [f"{name}.{child}" for child, m in blocks.named_children()
-            if any(True for _ in m.parameters()) and all(holders[id(p)] == {child} for p in m.parameters())]
+    chosen = [stacks[0]]
+    for name, m in stacks[1:]:
+        outside = all(not name.startswith(f"{c}.") and not c.startswith(f"{name}.") for c, _ in chosen)
+        if outside and _blocks_of_one_class(m):
+            chosen.append((name, m))
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    children = [(f"{name}.{child}", m) for name, stack in sorted(chosen, key=lambda nm: order[nm[0]])
+                for child, m in stack.named_children()]
+    holders: dict[int, set[str]] = defaultdict(set)  # each parameter: the stacks' children that hold it, or ""
+    for pname, p in model.named_parameters(remove_duplicate=False):  # for any module outside them
+        holders[id(p)].add(next((unit for unit, _ in children if pname.startswith(f"{unit}.")), ""))
+    return [unit for unit, m in children
+            if any(True for _ in m.parameters()) and all(holders[id(p)] == {unit} for p in m.parameters())]
+
+
+def _blocks_of_one_class(stack: nn.Module) -> bool:
+    """Whether the stack's children with parameters are two or more modules of modules, all of one class."""
+    blocks = [m for m in stack.children() if any(True for _ in m.parameters())]
+    return len(blocks) >= 2 and len({type(m) for m in blocks}) == 1 and all(any(True for _ in m.children())
+                                                                             for m in blocks)
 
 
 def _release_module_weights(model: nn.Module) -> None:

@@ -43,26 +43,46 @@ def loss_of(out: Any) -> torch.Tensor:
 
 
 def takes_num_items(model: nn.Module) -> bool:
-    """Whether the model's forward takes `num_items_in_batch`: a parameter of that name, or **kwargs
-    (Hugging Face's causal LMs hand their **kwargs to the loss). Any other model gets no keyword, and
-    its loss stays whatever its forward computes (for a token mean: the micro-batch's own)."""
+    """Whether the model's forward takes `num_items_in_batch`, as Hugging Face's Trainer decides it: the
+    model's `accepts_loss_kwargs` where it says (a Hugging Face model whose **kwargs do not reach its loss
+    says False), else a parameter of that name or **kwargs (Hugging Face's causal LMs hand their **kwargs to
+    the loss). Any other model gets no keyword, and its loss stays whatever its forward computes (for a
+    token mean: the micro-batch's own)."""
+    accepts = getattr(model, "accepts_loss_kwargs", None)
+    if accepts is not None:
+        return bool(accepts)
     params = inspect.signature(model.forward).parameters.values()
     return any(p.name == "num_items_in_batch" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
-def counted_targets(batch: MicroBatch) -> Optional[torch.Tensor]:
+def shifts_labels(model: nn.Module) -> bool:
+    """Whether the model's loss shifts `labels` by one, so that their first position is never a target: a
+    causal LM's (Hugging Face's ForCausalLMLoss, also the loss of a model that names none). Not an
+    encoder-decoder's, whose decoder reads the labels shifted right so that every label is a target (T5,
+    BART, T5Gemma), nor a masked LM's: Hugging Face's Trainer counts their labels as they are."""
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return False
+    loss_type = getattr(model, "loss_type", None)
+    if loss_type is None:
+        return True
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss  # a loss_type: a Hugging Face model
+    return LOSS_MAPPING.get(loss_type, ForCausalLMLoss) is ForCausalLMLoss
+
+
+def counted_targets(batch: MicroBatch, shifted: bool = True) -> Optional[torch.Tensor]:
     """How many targets of a micro-batch the loss counts (an int64 tensor; no host sync), or None
     when it carries no integer targets.
 
     Positional (our models: inputs, targets): the targets not IGNORE_INDEX. Keyword (Hugging Face):
-    `labels[..., 1:]` not IGNORE_INDEX, since their causal-LM loss shifts the labels by one and pads
-    the last position with IGNORE_INDEX; `shift_labels`, when given, are taken as they are.
+    `labels[..., 1:]` not IGNORE_INDEX where the loss is `shifted` (a causal LM's shifts the labels by
+    one and pads the last position with IGNORE_INDEX: `shifts_labels`), else all of `labels`;
+    `shift_labels`, when given, are taken as they are.
     """
     if isinstance(batch, Mapping):
         if batch.get("shift_labels") is not None:
             targets = batch["shift_labels"]
         elif batch.get("labels") is not None:
-            targets = batch["labels"][..., 1:]
+            targets = batch["labels"][..., 1:] if shifted else batch["labels"]
         else:
             return None
     elif len(batch) > 1 and isinstance(batch[1], torch.Tensor):
@@ -90,7 +110,8 @@ def num_items_in_batch(engine: ZeroEngine, micro_batches: Sequence[MicroBatch]) 
     """
     if not micro_batches or not takes_num_items(engine.model):
         return None
-    counts = [counted_targets(b) for b in micro_batches]
+    shifted = shifts_labels(engine.model)
+    counts = [counted_targets(b, shifted) for b in micro_batches]
     if any(c is None for c in counts):
         return None
     count = torch.stack(counts).sum() if len(counts) > 1 else counts[0]

@@ -156,6 +156,25 @@ PLANTS: list[Plant] = [
           "an embedding and the head tied to it, both in the stack of blocks, become two units: the tied weight is "
           "gathered with one of them only", "issue 31 (any nn.Module)",
           ("tests/test_api.py::test_initialize_trains_any_module_like_one_device",)),
+    Plant("units_from_the_largest_stack_only", "zerofunc/api.py",
+          "        if outside and _blocks_of_one_class(m):\n", "        if False:\n",
+          "an encoder-decoder's smaller stack of blocks (T5's encoder, CLIP's text tower) is left in the root unit: "
+          "stage 3 keeps it gathered all step", "issue 31 (any nn.Module)",
+          ("tests/test_hf_two_stacks.py::test_every_stack_of_blocks_is_a_unit",
+           "tests/test_api.py::test_initialize_trains_any_module_like_one_device[0-encoder-decoder-blocks7]")),
+    Plant("encoder_decoder_labels_counted_shifted", "zerofunc/step.py",
+          "    if getattr(getattr(model, \"config\", None), \"is_encoder_decoder\", False):\n",
+          "    return True\n    if False:\n",
+          "every model's labels are counted as a causal LM's, the first of each row left out: T5Gemma, whose "
+          "loss divides by that count, trains and logs a loss too large by count / (count - rows)",
+          "issue 31 (any nn.Module)",
+          ("tests/test_hf_two_stacks.py::test_encoder_decoders_train_at_stage_3_as_at_stage_0_with_their_own_loss",)),
+    Plant("loss_kwargs_refusal_ignored", "zerofunc/step.py",
+          "    if accepts is not None:\n        return bool(accepts)\n", "",
+          "a model that says its **kwargs do not reach its loss (Hugging Face's `accepts_loss_kwargs = False`) is "
+          "handed num_items_in_batch all the same, which its forward passes on to modules that do not take it",
+          "issue 31 (any nn.Module)",
+          ("tests/test_api.py::test_a_model_whose_loss_takes_no_keywords_gets_none",)),
     Plant("units_may_share_a_weight", "zerofunc/units.py",
           "            if group_of[id(p)] != uname:\n", "            if False:\n",
           "units a caller names that split a tied weight are taken: one of them is gathered without it, and the "

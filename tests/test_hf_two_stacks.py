@@ -1,0 +1,102 @@
+"""Hugging Face models of two stacks of blocks (an encoder's and a decoder's, a text tower's and a vision
+tower's) through zerofunc.initialize: stage 3 gathers the blocks of both, and an encoder-decoder's loss is the
+one its model defines, over the global batch (its labels counted as its loss counts them). Runs where
+transformers is installed (the test extras install it)."""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from tests.bare import in_world
+from tests.hf_families import TWO_STACKS
+from tests.rounding import reduction_budget
+from zerofunc.api import default_units
+
+transformers = pytest.importorskip("transformers")
+
+OPTIM = {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-5, "weight_decay": 0.1}}
+STEPS = 3
+
+
+@pytest.mark.parametrize("family", TWO_STACKS)
+def test_every_stack_of_blocks_is_a_unit(family):
+    """Each block of both stacks is a unit, gathered alone at stage 3, in the modules' order (the encoder's
+    first: the order the first step prefetches in). Left in the root unit, the smaller stack's blocks would
+    stay gathered all step: half an encoder-decoder's weights."""
+    build, stacks = TWO_STACKS[family]
+    model = build()
+    blocks = [f"{stack}.{i}" for stack in stacks for i in range(len(model.get_submodule(stack)))]
+    assert default_units(model) == blocks
+
+
+def micro_batches(world: int, gen: torch.Generator) -> list[dict]:
+    """A step's micro-batches of one row, every rank's (micro-batch r is rank r's): 9 input tokens, 7 labels of
+    which the last 0..6 are padding (-100), so ranks count different numbers of labels, every one at least one
+    (T5's own mean over none would be NaN)."""
+    ids = torch.randint(1, 53, (world, 9), generator=gen)
+    labels = torch.randint(1, 53, (world, 7), generator=gen)
+    pad = torch.randint(0, 7, (world,), generator=gen)
+    labels = labels.masked_fill(torch.arange(7) >= 7 - pad[:, None], -100)
+    return [{"input_ids": ids[r:r + 1], "labels": labels[r:r + 1]} for r in range(world)]
+
+
+def one_device_loss(model, everyone: list[dict], family: str) -> tuple[float, float]:
+    """The global batch's loss as the model defines it, on one device: T5's, its own mean over each
+    micro-batch's labels (CrossEntropyLoss's, modeling_t5.py; it ignores num_items_in_batch), averaged over
+    the micro-batches; T5Gemma's, its loss summed over the global batch's labels / their count, every label
+    counted (its decoder reads the labels shifted right: each one is a target), which it computes from the
+    num_items_in_batch it is given. (the loss, the mean of its terms' absolute values), the sums exact."""
+    with torch.no_grad():
+        if family == "t5gemma":
+            count = sum(int((b["labels"] != -100).sum()) for b in everyone)
+            num_items = torch.tensor(float(count)) / len(everyone)
+            terms = [model(**b, num_items_in_batch=num_items).loss.item() for b in everyone]
+        else:
+            terms = [model(**b).loss.item() for b in everyone]
+    return math.fsum(terms) / len(terms), math.fsum(map(abs, terms)) / len(terms)
+
+
+def _stages_0_and_3(family: str) -> list:
+    import zerofunc
+    out = []
+    for stage in (0, 3):
+        torch.manual_seed(0)
+        model = TWO_STACKS[family][0]()
+        reference = copy.deepcopy(model)
+        engine = zerofunc.initialize(model, {"train_micro_batch_size_per_gpu": 1, "optimizer": OPTIM,
+                                             "zero_optimization": {"stage": stage}})
+        rank, world = engine.comm.rank, engine.comm.world_size
+        gen, losses = torch.Generator().manual_seed(1), []
+        for i in range(STEPS):
+            everyone = micro_batches(world, gen)
+            if i == 0:
+                expected = one_device_loss(reference, everyone, family)
+            losses.append(zerofunc.train_step(engine, everyone[rank:rank + 1]).item())
+        out.append((losses, engine.full_parameters(), expected))
+    (losses0, params0, expected), (losses3, params3, _) = out
+    same = [n for n in params0 if torch.equal(params0[n], params3[n])]
+    return losses0, losses3, len(same) == len(params0), expected
+
+
+def _both_families() -> dict:
+    return {family: _stages_0_and_3(family) for family in ("t5", "t5gemma")}
+
+
+@pytest.mark.slow
+def test_encoder_decoders_train_at_stage_3_as_at_stage_0_with_their_own_loss():
+    """T5 and T5Gemma on 2 gloo ranks, one micro-batch a step, 3 steps. Stage 3 (every block of both stacks
+    gathered at its run, the decoder's reading the encoder's output across units) gives stage 0's losses and
+    weights bit for bit: each rank computes the same ops on the same values at both stages, each reduction
+    adds two terms (a + b = b + a in fp32), and AdamW works element by element. The first step's logged loss
+    is one device's global-batch loss as the model defines it (`one_device_loss`), within the one fp32
+    addition and halving that averaging two ranks' losses rounds (tests/rounding.py)."""
+    for per_rank in in_world(2, _both_families):
+        for family, (losses0, losses3, same_weights, (expected, abs_mean)) in per_rank.items():
+            assert losses3 == losses0, f"{family}: stage 3's losses {losses3} are not stage 0's {losses0}"
+            assert same_weights, f"{family}: stage 3's weights after {STEPS} steps are not stage 0's"
+            budget = reduction_budget(torch.tensor(abs_mean, dtype=torch.float64), 2).item()
+            assert abs(losses0[0] - expected) <= budget, (f"{family}: the first step's loss {losses0[0]!r} is not one "
+                                                         f"device's {expected!r} (within {budget:.2g})")
