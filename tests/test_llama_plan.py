@@ -1,7 +1,8 @@
 """The planner plans any nn.Module, and a Llama: planned against trained on 2 gloo ranks, every stage.
 
-zerofunc's llama-tiny and Hugging Face's LlamaForCausalLM (tiny config, GQA, widths
-that do not divide the world size) each run one real training step through
+zerofunc's llama-tiny, Hugging Face's LlamaForCausalLM (tiny config, GQA, widths
+that do not divide the world size) and T5 (an encoder's and a decoder's stacks of blocks,
+tests/hf_families.py) each run one real training step through
 `zerofunc.initialize`, watched by the planner's own memory tracker, beside
 `simulate()` of the same plan: the communication must be equal to the byte (the whole
 ledger, entry by entry) and the peak within 5%.
@@ -29,6 +30,14 @@ def tiny_hf_llama():
                                         max_position_embeddings=64, attn_implementation="sdpa"))
 
 
+def tiny_t5():
+    from tests.hf_families import TWO_STACKS
+    return TWO_STACKS["t5"][0]()
+
+
+HF = {"hf": (tiny_hf_llama, 97), "t5": (tiny_t5, 53)}  # each Hugging Face model's builder and vocabulary
+
+
 def plan_of(model, stage: int, world: int) -> Plan:
     return Plan(world_size=world, stage=stage, model=model, precision="fp32", micro_batch=MICRO_BATCH, seq=SEQ,
                 hardware="cpu-gloo")
@@ -37,15 +46,16 @@ def plan_of(model, stage: int, world: int) -> Plan:
 def planned_and_trained(model_name: str, stage: int):
     """(whether the planned ledger is the executed one, planned peak, measured peak, collectives) on this rank."""
     comm = DistCommunicator()
-    plan = plan_of(tiny_hf_llama if model_name == "hf" else model_name, stage, comm.world_size)
+    build, vocab = HF.get(model_name, (None, 97))
+    plan = plan_of(build or model_name, stage, comm.world_size)
     sim = simulate(plan)
     tracker = MemoryTracker()
     torch.manual_seed(0)
-    model = tiny_hf_llama() if model_name == "hf" else plan.build()  # real weights, or meta and init_param
+    model = build() if build else plan.build()  # real weights, or meta and init_param
     engine = initialize(model, plan.zero_config(), device="cpu", comm=comm, memory=tracker, compile=False)
     gen = torch.Generator().manual_seed(comm.rank)
-    ids = torch.randint(0, 97, (MICRO_BATCH, SEQ + 1), generator=gen)
-    batch = {"input_ids": ids[:, :-1], "labels": ids[:, :-1]} if model_name == "hf" else (ids[:, :-1], ids[:, 1:])
+    ids = torch.randint(0, vocab, (MICRO_BATCH, SEQ + 1), generator=gen)
+    batch = {"input_ids": ids[:, :-1], "labels": ids[:, :-1].clone()} if build else (ids[:, :-1], ids[:, 1:])
     with tracker:
         train_step(engine, [batch])
     return sim.ledger == comm.ledger.entries, sim.memory.peak, tracker.peak, len(sim.ledger)
@@ -56,9 +66,9 @@ def every_stage(model_name: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_name", ["llama-tiny", "hf"])
+@pytest.mark.parametrize("model_name", ["llama-tiny", "hf", "t5"])
 def test_planned_step_is_the_trained_step(model_name):
-    if model_name == "hf":
+    if model_name in HF:
         pytest.importorskip("transformers")
     for rank_results in in_world(2, every_stage, model_name):
         for stage, (same_ledger, planned, measured, collectives) in enumerate(rank_results):

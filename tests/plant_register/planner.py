@@ -4,6 +4,12 @@ from __future__ import annotations
 from tests.plant_register.common import Plant, ENG, RED, PLAN, HYBRID_REPLICAS, REDUCED_AT_BOUNDARY, HYBRID2, FAST
 
 PLANTS: list[Plant] = [
+    Plant("planner_value_read_unexplained", "zerofunc/plan/simulation.py",
+          '            if "cannot be called on meta tensors" not in str(e):\n',
+          "            if True:\n",
+          "a model whose forward reads a tensor's value (BART's padding-mask check) fails the plan with torch's "
+          "meta error from deep inside the step, naming neither the model nor where", "issue 31 (any nn.Module)",
+          ("tests/test_hf_two_stacks.py::test_a_model_that_reads_a_tensors_value_is_refused_by_the_planner_in_one_line",)),
     # -- the planner and the check (issues 9, 22, 25) -----------------------------------------------------
     Plant("stage1_gradient_counted_as_buffers", RED,
           'self.memory.track(sent, "buffers" if stage.shard_grads else "grads")', 'self.memory.track(sent, "buffers")',

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
+import sys
+import traceback
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
@@ -178,12 +181,26 @@ def _measure(plan: Plan, model: nn.Module, timing: bool, kernel_cache: bool) -> 
     batch = () if plan.params is not None else _meta_batch(plan, model)
     # the kernel cache sits below the instruments: they see every op, each layer's meta kernels run once
     with MetaKernelCache() if kernel_cache else contextlib.nullcontext(), tracker, roofline if timing else contextlib.nullcontext(), TargetAttention(profile.attention):
-        train_step(engine, [batch] * plan.grad_accum)
+        try:
+            train_step(engine, [batch] * plan.grad_accum)
+        except RuntimeError as e:
+            if "cannot be called on meta tensors" not in str(e):
+                raise
+            raise ValueError(f"{type(model).__name__}'s forward reads a tensor's value ({_reader(e)}), which a "
+                             "tensor on meta, as the planner simulates the step, does not have") from None
     sums = {"flops": float(roofline.flops), "compute_s": roofline.time_s,
             **{f"elsewhere:{k}": v for k, v in roofline.elsewhere_s.items()},
             **{f"bound:{k}": v for k, v in roofline.time_by_bound.items()}}
     live = np.array(tracker.samples, dtype=np.int64).reshape(len(tracker.samples), 2 * len(CATEGORIES))
     return Measured(engine.numel, tracker.sample_labels, live, list(comm.ledger), list(comm.ledger.events), sums)
+
+
+def _reader(e: BaseException) -> str:
+    """Where the model's code read a value (`.item()`, `if t.all()`): the innermost frame of the error's
+    traceback outside torch and this project (the planner's instruments, the step), as file:line."""
+    ours = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules["zerofunc"], sys.modules["sim"]))
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(ours)]
+    return f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else "inside torch"
 
 
 def _meta_batch(plan: Plan, model: nn.Module) -> tuple[torch.Tensor, ...] | dict[str, torch.Tensor]:
