@@ -132,9 +132,10 @@ class CrossBlock(nn.Module):
 
 
 class EncoderDecoderLM(TokenMLP):
-    """TokenMLP as an encoder and a decoder, two stacks of blocks of their own classes (T5's, BART's, Whisper's
-    shape): 2 encoder blocks over the tokens, then 3 decoder blocks over the tokens' own decoder embedding that
-    each read the encoder's output. Stage 3 gathers the blocks of both stacks, the smaller too, each alone.
+    """TokenMLP as an encoder and a decoder, sub-models with a stack of blocks each, of their own classes (T5's,
+    BART's, Whisper's shape): 2 encoder blocks over the tokens, then 3 decoder blocks over the tokens' own decoder
+    embedding that each read the encoder's output. Stage 3 gathers the blocks of both stacks, the smaller too,
+    each alone.
 
     (One embedding for both would be one device's only within a wider budget than tests/steps.py's: its output's
     gradient, from the two stacks, is summed in another order than one autograd graph sums it.)"""
@@ -143,19 +144,47 @@ class EncoderDecoderLM(TokenMLP):
         super().__init__(vocab, width, depth=0)
         del self.blocks
         self.dec_emb = nn.Embedding(vocab, width)
-        self.encoder = nn.ModuleList(Residual(width) for _ in range(2))
-        self.decoder = nn.ModuleList(CrossBlock(width) for _ in range(3))
+        self.encoder, self.decoder = nn.Module(), nn.Module()
+        self.encoder.blocks = nn.ModuleList(Residual(width) for _ in range(2))
+        self.decoder.blocks = nn.ModuleList(CrossBlock(width) for _ in range(3))
 
     def forward(self, idx, targets, num_items_in_batch=None):
         h, memory = self.dec_emb(idx), self.emb(idx)
-        for block in self.encoder:
+        for block in self.encoder.blocks:
             memory = block(memory)
-        for block in self.decoder:
+        for block in self.decoder.blocks:
             h = block(h, memory)
         logits, t = self.head(h).flatten(0, 1).float(), targets.flatten()
         if num_items_in_batch is None:
             return F.cross_entropy(logits, t, ignore_index=-100)
         return F.cross_entropy(logits, t, ignore_index=-100, reduction="sum") / num_items_in_batch
+
+
+class Adapter(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.down, self.up = nn.Linear(width, 3), nn.Linear(3, width)
+
+    def forward(self, h):
+        return self.up(F.gelu(self.down(h)))
+
+
+class AdaptedBlock(Residual):
+    def forward(self, h, adapter):
+        return h + self.f(h) + adapter(h)
+
+
+class AdaptedLM(TokenMLP):
+    """TokenMLP whose blocks are each handed an adapter from a stack beside theirs, which runs inside the block: the
+    adapters are no units by default (a unit cannot run inside another), their weights the root unit's."""
+
+    def __init__(self, vocab: int = 19, width: int = 11):
+        super().__init__(vocab, width, depth=0)
+        self.blocks = nn.ModuleList(AdaptedBlock(width) for _ in range(2))
+        self.adapters = nn.ModuleList(Adapter(width) for _ in range(2))
+
+    def runs(self, idx: torch.Tensor) -> list:
+        return [functools.partial(block, adapter=adapter) for block, adapter in zip(self.blocks, self.adapters)]
 
 
 MODULES = {"regression": ResidualMLP, "tokens": TokenMLP, "sequential": SequentialLM, "reused": ReusedLM,

@@ -10,8 +10,9 @@ import torch.nn as nn
 
 import zerofunc
 from tests.bare import in_world
-from tests.modules import MODULES, OPTIM, PartlyRunLM, ResidualMLP, SequentialLM, TokenMLP, micro_batches
+from tests.modules import MODULES, OPTIM, AdaptedLM, PartlyRunLM, ResidualMLP, SequentialLM, TokenMLP, micro_batches
 from tests.steps import check_steps, record_step
+from zerofunc.api import default_units
 from zerofunc.step import train_step
 from zerofunc.stages import STAGES
 
@@ -61,8 +62,8 @@ def four_lines_world() -> list[dict]:
                                          ("partly run", ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]),
                                          ("called directly", ["blocks.0", "blocks.1"]),
                                          ("self-checkpointed", ["blocks.0", "blocks.1"]),
-                                         ("encoder-decoder", ["encoder.0", "encoder.1", "decoder.0", "decoder.1",
-                                                              "decoder.2"])])
+                                         ("encoder-decoder", ["encoder.blocks.0", "encoder.blocks.1",
+                                                              "decoder.blocks.0", "decoder.blocks.1", "decoder.blocks.2"])])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_initialize_trains_any_module_like_one_device(four_lines_world, stage, kind, blocks):
     """2 gloo ranks, 2 micro-steps per step, DeepSpeed's calls as train_step makes them: the module's own
@@ -225,3 +226,26 @@ def test_a_model_whose_loss_takes_no_keywords_gets_none():
     micro-batch on one rank logs as it is."""
     own, logged = in_world(1, _own_loss_and_logged)[0]
     assert logged == own, f"logged {logged!r}, the model's own loss {own!r}"
+
+
+def _a_unit_inside_another(unit_names) -> str:
+    torch.manual_seed(0)
+    engine = zerofunc.initialize(AdaptedLM(), {"train_micro_batch_size_per_gpu": 2, "optimizer": OPTIM,
+                                               "zero_optimization": {"stage": 3}}, unit_names=unit_names)
+    try:
+        return f"loss {train_step(engine, micro_batches('tokens', 1, 1, torch.Generator())).item():.3f}"
+    except ValueError as e:
+        return str(e)
+
+
+def test_a_stack_whose_blocks_run_inside_others_is_no_unit():
+    """Adapters a block is handed, from a stack beside the blocks' own, run inside the block: by default they are no
+    units (their weights the root unit's) and the model trains at stage 3. Named as units, the first to run inside
+    another is refused in one line that says how to leave it out (it failed with a message about tensors read
+    other than through a block's arguments)."""
+    assert default_units(AdaptedLM()) == ["blocks.0", "blocks.1"]
+    default, named = (in_world(1, _a_unit_inside_another, names)[0]
+                      for names in (None, ["blocks.0", "blocks.1", "adapters.0", "adapters.1"]))
+    assert default.startswith("loss "), default
+    assert named.startswith("adapters.0 ran inside blocks.0's forward, and a unit cannot run inside another: leave "
+                            "adapters.0 out of unit_names="), named

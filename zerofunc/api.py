@@ -88,9 +88,11 @@ def default_units(model: nn.Module) -> list[str]:
     """Stage 3's gather units: the model's own `shard_units()`, else the children of its stacks of blocks
     below the root, in the modules' order; else none. The stacks: its largest ModuleList or Sequential (the
     stack of blocks: a ModuleList in most models, Hugging Face's among them, an nn.Sequential in others,
-    timm's vision transformers), and every other one outside it whose children are blocks of one class (at
-    least two modules of modules): an encoder's layers beside a decoder's (T5, BART, Whisper), a vision
-    tower's beside a text model's (CLIP). Left in the root unit, each of those would stay gathered all step.
+    timm's vision transformers), and every other one whose children are blocks of one class (at least two
+    modules of modules) in a sub-model of its own: an encoder's layers beside a decoder's (T5, BART,
+    Whisper), a vision tower's beside a text model's (CLIP). Left in the root unit, each of those would stay
+    gathered all step. A stack beside the blocks' own, or above them, is not taken: its blocks may run inside
+    theirs (adapters a layer is handed), and a unit cannot run inside another.
 
     A child without parameters (an activation between blocks) is no unit; nor is one that shares a
     parameter with any other module of the model (a head tied to an embedding, one layer listed twice):
@@ -106,8 +108,7 @@ def default_units(model: nn.Module) -> list[str]:
         return []
     chosen = [stacks[0]]
     for name, m in stacks[1:]:
-        outside = all(not name.startswith(f"{c}.") and not c.startswith(f"{name}.") for c, _ in chosen)
-        if outside and _blocks_of_one_class(m):
+        if all(_apart(name, c) for c, _ in chosen) and _blocks_of_one_class(m):
             chosen.append((name, m))
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     children = [(f"{name}.{child}", m) for name, stack in sorted(chosen, key=lambda nm: order[nm[0]])
@@ -117,6 +118,12 @@ def default_units(model: nn.Module) -> list[str]:
         holders[id(p)].add(next((unit for unit, _ in children if pname.startswith(f"{unit}.")), ""))
     return [unit for unit, m in children
             if any(True for _ in m.parameters()) and all(holders[id(p)] == {unit} for p in m.parameters())]
+
+
+def _apart(a: str, b: str) -> bool:
+    """Whether stacks `a` and `b` lie in sub-models of their own: neither's parent module holds the other."""
+    pa, pb = a.rpartition(".")[0], b.rpartition(".")[0]
+    return bool(pa and pb) and not (f"{pa}.".startswith(f"{pb}.") or f"{pb}.".startswith(f"{pa}."))
 
 
 def _blocks_of_one_class(stack: nn.Module) -> bool:

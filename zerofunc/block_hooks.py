@@ -95,6 +95,11 @@ class BlockHooks:
         recomputation gathers it."""
         def hook(module, args):
             if self._tape is not None:
+                running = self._tape.current.unit
+                if running is not None and not self.gathering.in_backward:
+                    raise ValueError(f"{unit.name} ran inside {running}'s forward, and a unit cannot run inside "
+                                     f"another: leave {unit.name} out of unit_names= (its weights then stay in "
+                                     "the root unit)")
                 self._tape.open(unit.name)
             with self._engine_work():
                 if self.gathering.in_backward:
