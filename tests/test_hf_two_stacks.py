@@ -60,13 +60,18 @@ def one_device_loss(model, everyone: list[dict], family: str) -> tuple[float, fl
     return math.fsum(terms) / len(terms), math.fsum(map(abs, terms)) / len(terms)
 
 
-def _stages_0_and_3(family: str) -> list:
+RUNS = [(0, False), (3, False), (3, True)]  # (stage, the model's own gradient checkpointing on)
+
+
+def _runs(family: str) -> list:
     import zerofunc
     out = []
-    for stage in (0, 3):
+    for stage, checkpointed in RUNS:
         torch.manual_seed(0)
         model = TWO_STACKS[family][0]()
         reference = copy.deepcopy(model)
+        if checkpointed:
+            model.gradient_checkpointing_enable()
         engine = zerofunc.initialize(model, {"train_micro_batch_size_per_gpu": 1, "optimizer": OPTIM,
                                              "zero_optimization": {"stage": stage}})
         rank, world = engine.comm.rank, engine.comm.world_size
@@ -77,27 +82,29 @@ def _stages_0_and_3(family: str) -> list:
                 expected = one_device_loss(reference, everyone, family)
             losses.append(zerofunc.train_step(engine, everyone[rank:rank + 1]).item())
         out.append((losses, engine.full_parameters(), expected))
-    (losses0, params0, expected), (losses3, params3, _) = out
-    same = [n for n in params0 if torch.equal(params0[n], params3[n])]
-    return losses0, losses3, len(same) == len(params0), expected
+    (losses0, params0, expected), *others = out
+    return losses0, expected, [(losses, all(torch.equal(params0[n], p[n]) for n in params0)) for losses, p, _ in others]
 
 
 def _both_families() -> dict:
-    return {family: _stages_0_and_3(family) for family in ("t5", "t5gemma")}
+    return {family: _runs(family) for family in ("t5", "t5gemma")}
 
 
 @pytest.mark.slow
 def test_encoder_decoders_train_at_stage_3_as_at_stage_0_with_their_own_loss():
     """T5 and T5Gemma on 2 gloo ranks, one micro-batch a step, 3 steps. Stage 3 (every block of both stacks
     gathered at its run, the decoder's reading the encoder's output across units) gives stage 0's losses and
-    weights bit for bit: each rank computes the same ops on the same values at both stages, each reduction
-    adds two terms (a + b = b + a in fp32), and AdamW works element by element. The first step's logged loss
-    is one device's global-batch loss as the model defines it (`one_device_loss`), within the one fp32
+    weights bit for bit, with the model's own gradient checkpointing on too (the engine recomputes each block:
+    the same ops on the same values): each rank computes the same ops on the same values at both stages, each
+    reduction adds two terms (a + b = b + a in fp32), and AdamW works element by element. The first step's logged
+    loss is one device's global-batch loss as the model defines it (`one_device_loss`), within the one fp32
     addition and halving that averaging two ranks' losses rounds (tests/rounding.py)."""
     for per_rank in in_world(2, _both_families):
-        for family, (losses0, losses3, same_weights, (expected, abs_mean)) in per_rank.items():
-            assert losses3 == losses0, f"{family}: stage 3's losses {losses3} are not stage 0's {losses0}"
-            assert same_weights, f"{family}: stage 3's weights after {STEPS} steps are not stage 0's"
+        for family, (losses0, (expected, abs_mean), others) in per_rank.items():
+            for (stage, checkpointed), (losses, same_weights) in zip(RUNS[1:], others):
+                what = f"{family}, stage {stage}{', checkpointed by the model' if checkpointed else ''}"
+                assert losses == losses0, f"{what}: losses {losses} are not stage 0's {losses0}"
+                assert same_weights, f"{what}: the weights after {STEPS} steps are not stage 0's"
             budget = reduction_budget(torch.tensor(abs_mean, dtype=torch.float64), 2).item()
             assert abs(losses0[0] - expected) <= budget, (f"{family}: the first step's loss {losses0[0]!r} is not one "
                                                          f"device's {expected!r} (within {budget:.2g})")

@@ -256,12 +256,14 @@ PLANTS: list[Plant] = [
           ")\n",
           "a Hugging Face model's own gradient checkpointing stays on in the engine's step: backward recomputes its "
           "layers outside the engine's forward, on the module's released (meta) weights, and fails",
-          "issue 31 (any nn.Module)", ("tests/test_hf.py::test_hugging_face_models_checkpointed_train_like_one_device[gpt2-eager-own]",)),
+          "issue 31 (any nn.Module)", ("tests/test_hf.py::test_hugging_face_models_checkpointed_train_like_one_device[gpt2-eager-own]",
+                                       "tests/test_hf_two_stacks.py::test_encoder_decoders_train_at_stage_3_as_at_stage_0_with_their_own_loss")),
     Plant("model_checkpointing_not_taken_over", "zerofunc/api.py",
           "    if not checkpointing.on and units and model_checkpoints(model):", "    if False:",
           "a model's own gradient checkpointing, off in the engine's step, is not taken over by the engine: it keeps "
           "every activation, the memory its user asked to save",
-          "issue 31 (any nn.Module)", ("tests/test_hf.py::test_hugging_face_models_checkpointed_train_like_one_device[gpt2-eager-own]",)),
+          "issue 31 (any nn.Module)", ("tests/test_hf.py::test_hugging_face_models_checkpointed_train_like_one_device[gpt2-eager-own]",
+                                       "tests/test_hf_two_stacks.py::test_encoder_decoders_train_at_stage_3_as_at_stage_0_with_their_own_loss")),
     Plant("block_called_directly_unhooked", HOOKS,
           "            if unit.bound is not None:\n                return forward(*args, **kwargs)\n",
           "            if True:\n                return forward(*args, **kwargs)\n",

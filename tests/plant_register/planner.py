@@ -34,7 +34,7 @@ PLANTS: list[Plant] = [
           ("tests/test_check.py::test_gpt2_tiny_at_1_8_64_ranks_is_planned_to_the_byte_and_within_2_percent",
            "tests/test_plan.py::test_simulated_step_is_the_executed_step[2]")),
     Plant("plan_one_micro_step", PLAN, "train_step(engine, [batch] * plan.grad_accum)",
-          "engine.grad_accum = 1\n        train_step(engine, [batch])",
+          "engine.grad_accum = 1\n            train_step(engine, [batch])",
           "--grad-accum K plans one micro-step: the ledger and the peak of a step without accumulation",
           "issue 25 note", ("tests/test_plan.py::test_simulated_step_is_the_executed_step[2]",)),
     Plant("plan_replicas_group_size", PLAN, "replicas = RecordingCommunicator(0, plan.world_size // s,",
