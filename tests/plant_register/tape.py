@@ -47,6 +47,12 @@ PLANTS: list[Plant] = [
           "the engine's forwards (a checkpointed, compiled or unwatched block) stay in the caller's modules after "
           "its call: the caller's module is rewritten, and calling it outside the engine runs the engine's code",
           "issue 31", ("tests/test_engine_misuse.py", "-m", "not slow")),
+    Plant("bound_modules_kept_across_models", "zerofunc/binding.py",
+          "    slots = _SLOTS.get(model)\n    if slots is None:\n        slots = _SLOTS[model] = {}\n",
+          "    slots = _SLOTS.setdefault(bind, {})\n",
+          "the modules a parameter name binds into are found once per process, not per model: a second model of the "
+          "same names (the planner's on meta, then the trainer's) has its blocks' weights bound into the first's",
+          "issue 31", ("tests/test_llama_plan.py::test_planned_step_is_the_trained_step[llama-tiny]",)),
     Plant("step_writes_the_engines_state", "zerofunc/step.py",
           "        after = engine.update(state)\n",
           "        after = engine.state = engine.update(state)\n",
