@@ -31,6 +31,14 @@ class ResidualMLP(nn.Module):
         return F.mse_loss(self.out(h).squeeze(-1), y)
 
 
+def token_loss(logits: torch.Tensor, targets: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
+    """Hugging Face's convention: the summed token loss / num_items_in_batch; the targets' own mean without it."""
+    logits, t = logits.flatten(0, 1).float(), targets.flatten()
+    if num_items_in_batch is None:
+        return F.cross_entropy(logits, t, ignore_index=-100)
+    return F.cross_entropy(logits, t, ignore_index=-100, reduction="sum") / num_items_in_batch
+
+
 class TokenMLP(nn.Module):
     """A language model that is not a transformer, in Hugging Face's convention: its forward takes
     `num_items_in_batch` and returns the summed token loss divided by it (the targets' own mean without it)."""
@@ -50,10 +58,7 @@ class TokenMLP(nn.Module):
         h = self.emb(idx)
         for block in self.runs(idx):
             h = h + block(h)
-        logits, t = self.head(h).flatten(0, 1).float(), targets.flatten()
-        if num_items_in_batch is None:
-            return F.cross_entropy(logits, t, ignore_index=-100)
-        return F.cross_entropy(logits, t, ignore_index=-100, reduction="sum") / num_items_in_batch
+        return token_loss(self.head(h), targets, num_items_in_batch)
 
 
 class ReusedLM(TokenMLP):
@@ -114,10 +119,7 @@ class SequentialLM(TokenMLP):
         self.layers = nn.Sequential(emb, *(Residual(width) for _ in range(depth)), nn.LayerNorm(width), head)
 
     def forward(self, idx, targets, num_items_in_batch=None):
-        logits, t = self.layers(idx).flatten(0, 1).float(), targets.flatten()
-        if num_items_in_batch is None:
-            return F.cross_entropy(logits, t, ignore_index=-100)
-        return F.cross_entropy(logits, t, ignore_index=-100, reduction="sum") / num_items_in_batch
+        return token_loss(self.layers(idx), targets, num_items_in_batch)
 
 
 class CrossBlock(nn.Module):
@@ -154,10 +156,7 @@ class EncoderDecoderLM(TokenMLP):
             memory = block(memory)
         for block in self.decoder.blocks:
             h = block(h, memory)
-        logits, t = self.head(h).flatten(0, 1).float(), targets.flatten()
-        if num_items_in_batch is None:
-            return F.cross_entropy(logits, t, ignore_index=-100)
-        return F.cross_entropy(logits, t, ignore_index=-100, reduction="sum") / num_items_in_batch
+        return token_loss(self.head(h), targets, num_items_in_batch)
 
 
 class Adapter(nn.Module):
