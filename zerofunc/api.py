@@ -111,13 +111,17 @@ def default_units(model: nn.Module) -> list[str]:
         if all(_apart(name, c) for c, _ in chosen) and _blocks_of_one_class(m):
             chosen.append((name, m))
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
-    children = [(f"{name}.{child}", m) for name, stack in sorted(chosen, key=lambda nm: order[nm[0]])
-                for child, m in stack.named_children()]
-    holders: dict[int, set[str]] = defaultdict(set)  # each parameter: the stacks' children that hold it, or ""
-    for pname, p in model.named_parameters(remove_duplicate=False):  # for any module outside them
-        holders[id(p)].add(next((unit for unit, _ in children if pname.startswith(f"{unit}.")), ""))
-    return [unit for unit, m in children
-            if any(True for _ in m.parameters()) and all(holders[id(p)] == {unit} for p in m.parameters())]
+    chosen.sort(key=lambda nm: order[nm[0]])
+
+    def holder(pname: str) -> str:  # the stacks' child that holds the parameter, or "" outside them
+        stack = next((name for name, _ in chosen if pname.startswith(f"{name}.")), None)
+        return "" if stack is None else f"{stack}.{pname[len(stack) + 1:].split('.')[0]}"
+
+    holders: dict[int, set[str]] = defaultdict(set)
+    for pname, p in model.named_parameters(remove_duplicate=False):
+        holders[id(p)].add(holder(pname))
+    return [f"{name}.{child}" for name, stack in chosen for child, m in stack.named_children()
+            if any(True for _ in m.parameters()) and all(holders[id(p)] == {f"{name}.{child}"} for p in m.parameters())]
 
 
 def _apart(a: str, b: str) -> bool:

@@ -65,7 +65,10 @@ def shifts_labels(model: nn.Module) -> bool:
     loss_type = getattr(model, "loss_type", None)
     if loss_type is None:
         return True
-    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss  # a loss_type: a Hugging Face model
+    try:  # a loss_type: a Hugging Face model's, which names its loss in transformers' mapping
+        from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+    except ImportError:
+        return True
     return LOSS_MAPPING.get(loss_type, ForCausalLMLoss) is ForCausalLMLoss
 
 

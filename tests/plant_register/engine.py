@@ -152,7 +152,7 @@ PLANTS: list[Plant] = [
           "the whole model at once, so its memory is stage 2's", "issue 31 (any nn.Module)",
           ("tests/test_api.py::test_initialize_trains_any_module_like_one_device",)),
     Plant("units_split_a_tied_weight", "zerofunc/api.py",
-          "all(holders[id(p)] == {unit} for p in m.parameters())]", "True]",
+          "all(holders[id(p)] == {f\"{name}.{child}\"} for p in m.parameters())]", "True]",
           "an embedding and the head tied to it, both in the stack of blocks, become two units: the tied weight is "
           "gathered with one of them only", "issue 31 (any nn.Module)",
           ("tests/test_api.py::test_initialize_trains_any_module_like_one_device",)),
