@@ -33,21 +33,28 @@ def test_every_stack_of_blocks_is_a_unit(family):
     assert default_units(model) == blocks
 
 
-def micro_batches(world: int, gen: torch.Generator) -> list[dict]:
-    """A step's micro-batches of one row, every rank's (micro-batch r is rank r's): 9 input tokens, 7 labels of
-    which the last 0..6 are padding (-100), so ranks count different numbers of labels, every one at least one
-    (T5's own mean over none would be NaN)."""
+def micro_batches(family: str, world: int, gen: torch.Generator) -> list[dict]:
+    """A step's micro-batches, every rank's (micro-batch r is rank r's). A sequence-to-sequence model's: one row,
+    its inputs (9 tokens; Whisper's 8 x 32 log-mel features) and 7 labels of which the last 0..6 are padding
+    (-100), so ranks count different numbers of labels, every one at least one (T5's own mean over none would
+    be NaN). CLIP's: 2 captions of 7 tokens and their 16 x 16 images, its contrastive loss asked for."""
+    if family == "clip":
+        return [{"input_ids": torch.randint(1, 53, (2, 7), generator=gen),
+                 "pixel_values": torch.randn(2, 3, 16, 16, generator=gen), "return_loss": True} for _ in range(world)]
     ids = torch.randint(1, 53, (world, 9), generator=gen)
     labels = torch.randint(1, 53, (world, 7), generator=gen)
     pad = torch.randint(0, 7, (world,), generator=gen)
     labels = labels.masked_fill(torch.arange(7) >= 7 - pad[:, None], -100)
+    if family == "whisper":
+        features = torch.randn(world, 8, 32, generator=gen)
+        return [{"input_features": features[r:r + 1], "labels": labels[r:r + 1]} for r in range(world)]
     return [{"input_ids": ids[r:r + 1], "labels": labels[r:r + 1]} for r in range(world)]
 
 
 def one_device_loss(model, everyone: list[dict], family: str) -> tuple[float, float]:
-    """The global batch's loss as the model defines it, on one device: T5's, its own mean over each
-    micro-batch's labels (CrossEntropyLoss's, modeling_t5.py; it ignores num_items_in_batch), averaged over
-    the micro-batches; T5Gemma's, its loss summed over the global batch's labels / their count, every label
+    """The global batch's loss as the model defines it, on one device: T5's and Whisper's, their own mean over
+    each micro-batch's labels (CrossEntropyLoss's, modeling_t5.py; they ignore num_items_in_batch), CLIP's its
+    contrastive loss over each micro-batch's pairs, averaged over the micro-batches; T5Gemma's, its loss summed over the global batch's labels / their count, every label
     counted (its decoder reads the labels shifted right: each one is a target), which it computes from the
     num_items_in_batch it is given. (the loss, the mean of its terms' absolute values), the sums exact."""
     with torch.no_grad():
@@ -61,6 +68,7 @@ def one_device_loss(model, everyone: list[dict], family: str) -> tuple[float, fl
 
 
 RUNS = [(0, False), (3, False), (3, True)]  # (stage, the model's own gradient checkpointing on)
+TRAINED = ("t5", "t5gemma", "whisper", "clip")
 
 
 def _runs(family: str) -> list:
@@ -77,7 +85,7 @@ def _runs(family: str) -> list:
         rank, world = engine.comm.rank, engine.comm.world_size
         gen, losses = torch.Generator().manual_seed(1), []
         for i in range(STEPS):
-            everyone = micro_batches(world, gen)
+            everyone = micro_batches(family, world, gen)
             if i == 0:
                 expected = one_device_loss(reference, everyone, family)
             losses.append(zerofunc.train_step(engine, everyone[rank:rank + 1]).item())
@@ -86,20 +94,20 @@ def _runs(family: str) -> list:
     return losses0, expected, [(losses, all(torch.equal(params0[n], p[n]) for n in params0)) for losses, p, _ in others]
 
 
-def _both_families() -> dict:
-    return {family: _runs(family) for family in ("t5", "t5gemma")}
+def _every_family() -> dict:
+    return {family: _runs(family) for family in TRAINED}
 
 
 @pytest.mark.slow
-def test_encoder_decoders_train_at_stage_3_as_at_stage_0_with_their_own_loss():
-    """T5 and T5Gemma on 2 gloo ranks, one micro-batch a step, 3 steps. Stage 3 (every block of both stacks
-    gathered at its run, the decoder's reading the encoder's output across units) gives stage 0's losses and
+def test_two_stack_models_train_at_stage_3_as_at_stage_0_with_their_own_loss():
+    """T5, T5Gemma, Whisper and CLIP on 2 gloo ranks, one micro-batch a step, 3 steps. Stage 3 (every block of
+    both stacks gathered at its run, a decoder's reading the encoder's output across units) gives stage 0's losses and
     weights bit for bit, with the model's own gradient checkpointing on too (the engine recomputes each block:
     the same ops on the same values): each rank computes the same ops on the same values at both stages, each
     reduction adds two terms (a + b = b + a in fp32), and AdamW works element by element. The first step's logged
     loss is one device's global-batch loss as the model defines it (`one_device_loss`), within the one fp32
     addition and halving that averaging two ranks' losses rounds (tests/rounding.py)."""
-    for per_rank in in_world(2, _both_families):
+    for per_rank in in_world(2, _every_family):
         for family, (losses0, (expected, abs_mean), others) in per_rank.items():
             for (stage, checkpointed), (losses, same_weights) in zip(RUNS[1:], others):
                 what = f"{family}, stage {stage}{', checkpointed by the model' if checkpointed else ''}"

@@ -180,7 +180,7 @@ PLANTS: list[Plant] = [
           "every model's labels are counted as a causal LM's, the first of each row left out: T5Gemma, whose "
           "loss divides by that count, trains and logs a loss too large by count / (count - rows)",
           "issue 31 (any nn.Module)",
-          ("tests/test_hf_two_stacks.py::test_encoder_decoders_train_at_stage_3_as_at_stage_0_with_their_own_loss",)),
+          ("tests/test_hf_two_stacks.py::test_two_stack_models_train_at_stage_3_as_at_stage_0_with_their_own_loss",)),
     Plant("loss_kwargs_refusal_ignored", "zerofunc/step.py",
           "    if accepts is not None:\n        return bool(accepts)\n", "",
           "a model that says its **kwargs do not reach its loss (Hugging Face's `accepts_loss_kwargs = False`) is "
@@ -257,13 +257,12 @@ PLANTS: list[Plant] = [
           "a Hugging Face model's own gradient checkpointing stays on in the engine's step: backward recomputes its "
           "layers outside the engine's forward, on the module's released (meta) weights, and fails",
           "issue 31 (any nn.Module)", ("tests/test_hf.py::test_hugging_face_models_checkpointed_train_like_one_device[gpt2-eager-own]",
-                                       "tests/test_hf_two_stacks.py::test_encoder_decoders_train_at_stage_3_as_at_stage_0_with_their_own_loss")),
+                                       "tests/test_hf_two_stacks.py::test_two_stack_models_train_at_stage_3_as_at_stage_0_with_their_own_loss")),
     Plant("model_checkpointing_not_taken_over", "zerofunc/api.py",
           "    if not checkpointing.on and units and model_checkpoints(model):", "    if False:",
           "a model's own gradient checkpointing, off in the engine's step, is not taken over by the engine: it keeps "
           "every activation, the memory its user asked to save",
-          "issue 31 (any nn.Module)", ("tests/test_hf.py::test_hugging_face_models_checkpointed_train_like_one_device[gpt2-eager-own]",
-                                       "tests/test_hf_two_stacks.py::test_encoder_decoders_train_at_stage_3_as_at_stage_0_with_their_own_loss")),
+          "issue 31 (any nn.Module)", ("tests/test_hf.py::test_hugging_face_models_checkpointed_train_like_one_device[gpt2-eager-own]",)),
     Plant("block_called_directly_unhooked", HOOKS,
           "            if unit.bound is not None:\n                return forward(*args, **kwargs)\n",
           "            if True:\n                return forward(*args, **kwargs)\n",
