@@ -8,6 +8,7 @@ state is simply the slice of that buffer it owns.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -52,19 +53,29 @@ class FlatLayout:
             offset += slot.numel
         return cls(tuple(slots), world_size)
 
-    @property
+    def __post_init__(self):
+        self._split_sizes  # noqa: B018  (cached now, so that a compiled step's trace only reads it)
+
+    # Cached (the layout is frozen): a block's views are taken at each of its runs, and these sums over its
+    # slots were a third of that Python.
+    @functools.cached_property
     def numel(self) -> int:
         """Parameter elements, without padding."""
         return sum(s.numel for s in self.slots)
 
-    @property
+    @functools.cached_property
     def shard_numel(self) -> int:
         """Elements per rank: ceil(numel / world_size), rounded up to a multiple of ALIGN."""
         return -(-self.numel // (self.world_size * ALIGN)) * ALIGN
 
-    @property
+    @functools.cached_property
     def padded_numel(self) -> int:
         return self.shard_numel * self.world_size
+
+    @functools.cached_property
+    def _split_sizes(self) -> list[int]:
+        """Each parameter's elements, then the padding's: how `views` splits a full buffer."""
+        return [s.numel for s in self.slots] + [self.padded_numel - self.numel]
 
     def shard_range(self, rank: int) -> tuple[int, int]:
         """The [start, stop) of the flat buffer that `rank` owns."""
@@ -80,8 +91,7 @@ class FlatLayout:
         """
         if flat.numel() != self.padded_numel:
             raise ValueError(f"flat buffer has {flat.numel()} elements, layout needs {self.padded_numel}")
-        sizes = [s.numel for s in self.slots]
-        pieces = flat.split(sizes + [self.padded_numel - self.numel])
+        pieces = flat.split(self._split_sizes)
         return {s.name: p.view(s.shape) for s, p in zip(self.slots, pieces)}
 
     def pieces(self, start: int, stop: int) -> Iterator[tuple[Slot, int, int, int]]:
