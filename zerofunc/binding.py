@@ -45,6 +45,18 @@ def bind(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.
     return replaced
 
 
+def with_ties(model: nn.Module) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """What gives tensors named as `model.named_parameters()` names them every name their parameter has: a
+    parameter two modules share (a head tied to its embedding) has one name there and one in each module.
+    `functional_call` finds those itself (tie_weights) by walking the whole model at each call, a third of a
+    12-block step's Python calls; here they are found once."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    tied = {aliases[0]: aliases for aliases in names.values() if len(aliases) > 1}
+    return lambda tensors: {a: t for n, t in tensors.items() for a in tied.get(n, (n,))}
+
+
 @contextlib.contextmanager
 def installed(forwards: Mapping[nn.Module, Callable], pre_hooks: Mapping[nn.Module, Callable] = {},
               post_hooks: Mapping[nn.Module, Callable] = {},

@@ -34,7 +34,7 @@ import torch.nn as nn
 from torch.func import functional_call
 
 from zerofunc import frozen_source
-from zerofunc.binding import installed
+from zerofunc.binding import installed, with_ties
 from zerofunc.block_hooks import BlockHooks
 from zerofunc.collectives import data_parallel_sum
 from zerofunc.comm import Communicator
@@ -137,6 +137,7 @@ class ZeroEngine(BlockHooks, WholeState):
         self._tape: Optional[Tape] = None  # the last forward's, until its backward
         self._unit_named = {u.name: u for u in self.units}
         self._root = next((u for u in self.units if u.name == ""), None)  # parameters outside any block
+        self._with_ties = with_ties(model)
         self.gathering = UnitGathering(self.units, stage, comm, overlap, self.memory, secondary)
         if checkpointing.on and not self.gathering.blocks:
             raise ValueError("activation checkpointing recomputes blocks, and this model has none: give unit_names")
@@ -186,7 +187,7 @@ class ZeroEngine(BlockHooks, WholeState):
         views: dict[str, torch.Tensor] = {}
         if self._root is not None:
             self.gathering.gather(self._root, "params.fwd")
-            views = self._unit_views(self._root)
+            views = self._with_ties(self._unit_views(self._root))
         self._tape = Tape(_outside_the_engine, self._read_unbound) if torch.is_grad_enabled() else None  # none to cut
         self.gathering.start_forward()
         try:
@@ -196,7 +197,7 @@ class ZeroEngine(BlockHooks, WholeState):
                     stack.enter_context(self.gathering.saved_tensors_hooks())
                 if self._tape is not None:
                     stack.enter_context(self._tape)
-                out = functional_call(self.model, views, args, kwargs)
+                out = functional_call(self.model, views, args, kwargs, tie_weights=False)  # views: with_ties
             self.gathering.end_forward()
             self._check_blocks_alike()  # under TORCH_DISTRIBUTED_DEBUG=DETAIL; before backward's first collective
         except BaseException:

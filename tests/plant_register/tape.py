@@ -53,6 +53,12 @@ PLANTS: list[Plant] = [
           "the modules a parameter name binds into are found once per process, not per model: a second model of the "
           "same names (the planner's on meta, then the trainer's) has its blocks' weights bound into the first's",
           "issue 31", ("tests/test_llama_plan.py::test_planned_step_is_the_trained_step[llama-tiny]",)),
+    Plant("tied_weight_bound_under_one_name", "zerofunc/binding.py",
+          "    tied = {aliases[0]: aliases for aliases in names.values() if len(aliases) > 1}\n",
+          "    tied = {}\n",
+          "a weight two modules share (a head tied to its embedding) is bound under its first name only: the other "
+          "module computes with its released placeholder, on meta", "issue 31",
+          ("tests/test_api.py::test_initialize_trains_any_module_like_one_device[0-sequential-blocks2]",)),
     Plant("step_writes_the_engines_state", "zerofunc/step.py",
           "        after = engine.update(state)\n",
           "        after = engine.state = engine.update(state)\n",
