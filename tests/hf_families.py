@@ -54,7 +54,8 @@ LLAMA_LIKE: dict[str, Callable[[], nn.Module]] = {
                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
 }
 
-_SEQ2SEQ = dict(d_model=32, encoder_ffn_dim=40, decoder_ffn_dim=40, encoder_attention_heads=4, decoder_attention_heads=4,
+_SEQ2SEQ = dict(d_model=32, encoder_ffn_dim=40, decoder_ffn_dim=40, encoder_attention_heads=4,
+                decoder_attention_heads=4,
                 dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, decoder_start_token_id=0)
 
 _T5GEMMA_STACK = dict(num_hidden_layers=2, hidden_size=16, intermediate_size=20, num_attention_heads=2,
@@ -66,7 +67,8 @@ _T5GEMMA_STACK = dict(num_hidden_layers=2, hidden_size=16, intermediate_size=20,
 # count it is given, CLIP's text and vision towers
 TWO_STACKS: dict[str, tuple[Callable[[], nn.Module], tuple[str, str]]] = {
     "t5": (_family("T5ForConditionalGeneration", "T5Config", num_layers=2, num_decoder_layers=3, d_model=32, d_ff=40,
-                   num_heads=4, d_kv=8, dropout_rate=0.0, decoder_start_token_id=0), ("encoder.block", "decoder.block")),
+                   num_heads=4, d_kv=8, dropout_rate=0.0, decoder_start_token_id=0),
+           ("encoder.block", "decoder.block")),
     "bart": (_family("BartForConditionalGeneration", "BartConfig", encoder_layers=2, decoder_layers=2,
                      max_position_embeddings=32, forced_eos_token_id=None, **_SEQ2SEQ),
              ("model.encoder.layers", "model.decoder.layers")),

@@ -54,9 +54,10 @@ def micro_batches(family: str, world: int, gen: torch.Generator) -> list[dict]:
 def one_device_loss(model, everyone: list[dict], family: str) -> tuple[float, float]:
     """The global batch's loss as the model defines it, on one device: T5's and Whisper's, their own mean over
     each micro-batch's labels (CrossEntropyLoss's, modeling_t5.py; they ignore num_items_in_batch), CLIP's its
-    contrastive loss over each micro-batch's pairs, averaged over the micro-batches; T5Gemma's, its loss summed over the global batch's labels / their count, every label
-    counted (its decoder reads the labels shifted right: each one is a target), which it computes from the
-    num_items_in_batch it is given. (the loss, the mean of its terms' absolute values), the sums exact."""
+    contrastive loss over each micro-batch's pairs, averaged over the micro-batches; T5Gemma's, its loss summed
+    over the global batch's labels / their count, every label counted (its decoder reads the labels shifted
+    right: each one is a target), which it computes from the num_items_in_batch it is given. (the loss, the mean
+    of its terms' absolute values), the sums exact."""
     with torch.no_grad():
         if family == "t5gemma":
             count = sum(int((b["labels"] != -100).sum()) for b in everyone)
