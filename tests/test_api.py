@@ -95,12 +95,13 @@ class ReadsABlockWeight(TokenMLP):
         return super().forward(idx, targets, num_items_in_batch) + 0.01 * self.blocks[0][1].weight.pow(2).sum()
 
 
-def _a_weight_read_outside_its_block() -> list[str]:
+def _loss_or_refusal(model_class, names_tried: tuple) -> list[str]:
+    """One stage-3 step of `model_class` with each of `names_tried` as unit_names=: its loss, or what refused it."""
     said = []
-    for unit_names in (None, ["blocks.1"]):
+    for unit_names in names_tried:
         torch.manual_seed(0)
-        engine = zerofunc.initialize(ReadsABlockWeight(), {"train_micro_batch_size_per_gpu": 2, "optimizer": OPTIM,
-                                                           "zero_optimization": {"stage": 3}}, unit_names=unit_names)
+        engine = zerofunc.initialize(model_class(), {"train_micro_batch_size_per_gpu": 2, "optimizer": OPTIM,
+                                                     "zero_optimization": {"stage": 3}}, unit_names=unit_names)
         try:
             said.append(f"loss {train_step(engine, micro_batches('tokens', 1, 1, torch.Generator())).item():.3f}")
         except ValueError as e:
@@ -112,7 +113,7 @@ def test_a_block_weight_read_outside_the_block_is_refused_in_one_line():
     """A forward that reads a block's weight outside the block's forward, where the engine has not bound it (its
     module holds a released placeholder): refused in one line that names the weight (it failed later, on a meta
     tensor, at some other op), and the remedy it names, the block left out of unit_names=, trains."""
-    refused, remedied = in_world(1, _a_weight_read_outside_its_block)[0]
+    refused, remedied = in_world(1, _loss_or_refusal, ReadsABlockWeight, (None, ["blocks.1"]))[0]
     assert refused.startswith("the forward read blocks.0.1.weight outside its block's forward"), refused
     assert remedied.startswith("loss "), remedied
 
@@ -228,24 +229,14 @@ def test_a_model_whose_loss_takes_no_keywords_gets_none():
     assert logged == own, f"logged {logged!r}, the model's own loss {own!r}"
 
 
-def _a_unit_inside_another(unit_names) -> str:
-    torch.manual_seed(0)
-    engine = zerofunc.initialize(AdaptedLM(), {"train_micro_batch_size_per_gpu": 2, "optimizer": OPTIM,
-                                               "zero_optimization": {"stage": 3}}, unit_names=unit_names)
-    try:
-        return f"loss {train_step(engine, micro_batches('tokens', 1, 1, torch.Generator())).item():.3f}"
-    except ValueError as e:
-        return str(e)
-
-
 def test_a_stack_whose_blocks_run_inside_others_is_no_unit():
     """Adapters a block is handed, from a stack beside the blocks' own, run inside the block: by default they are no
     units (their weights the root unit's) and the model trains at stage 3. Named as units, the first to run inside
     another is refused in one line that says how to leave it out (it failed with a message about tensors read
     other than through a block's arguments)."""
     assert default_units(AdaptedLM()) == ["blocks.0", "blocks.1"]
-    default, named = (in_world(1, _a_unit_inside_another, names)[0]
-                      for names in (None, ["blocks.0", "blocks.1", "adapters.0", "adapters.1"]))
+    default, named = in_world(1, _loss_or_refusal, AdaptedLM,
+                              (None, ["blocks.0", "blocks.1", "adapters.0", "adapters.1"]))[0]
     assert default.startswith("loss "), default
     assert named.startswith("adapters.0 ran inside blocks.0's forward, and a unit cannot run inside another: leave "
                             "adapters.0 out of unit_names="), named

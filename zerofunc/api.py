@@ -141,7 +141,7 @@ def _release_module_weights(model: nn.Module) -> None:
     """Swap the module's parameters for meta tensors: the engine's buffers hold the weights now.
 
     A parameter shared by two modules (a tied output head) gets one replacement, so the
-    tie survives and functional_call still binds both names.
+    tie survives and the engine binds both names (zerofunc/binding.py, `with_ties`).
     """
     replacement: dict[int, nn.Parameter] = {}
     for module in model.modules():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -22,39 +23,49 @@ import torch.nn as nn
 _ABSENT = object()
 
 
-# Each model's parameter names -> (the module that holds it, its attribute), found once: a block is bound and
-# unbound at each of its runs, and `get_submodule` walking a name's path cost 7 us a parameter (88 us a GPT-2
-# block, 24 of them a micro-step of 12 blocks). The engine's units fix the modules they bind at initialize.
-_SLOTS: weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[nn.Module, str]]] = weakref.WeakKeyDictionary()
+@dataclass
+class _Found:
+    """What binding needs of a model's structure, found once per model: a block is bound and unbound at each of
+    its runs, and `get_submodule` walking a name's path cost 7 us a parameter (88 us a GPT-2 block, 24 of them a
+    micro-step of 12 blocks); `functional_call` finding tied weights itself (tie_weights) walked the whole model
+    at each call, a third of a 12-block step's Python calls. The engine's units fix the modules at initialize."""
+
+    slots: dict[str, tuple[nn.Module, str]]  # every name of every parameter -> (the module holding it, attribute)
+    tied: dict[str, list[str]]  # a parameter two modules share (a head tied to its embedding): first name -> all
+
+
+_FOUND: weakref.WeakKeyDictionary[nn.Module, _Found] = weakref.WeakKeyDictionary()
+
+
+def _found(model: nn.Module) -> _Found:
+    found = _FOUND.get(model)
+    if found is None:
+        slots, names = {}, {}
+        for path, module in model.named_modules(remove_duplicate=False):  # named_parameters' order and names
+            for attr, p in module._parameters.items():
+                if p is not None:
+                    name = f"{path}.{attr}" if path else attr
+                    slots[name] = (module, attr)
+                    names.setdefault(id(p), []).append(name)
+        found = _FOUND[model] = _Found(slots, {a[0]: a for a in names.values() if len(a) > 1})
+    return found
 
 
 def bind(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Put `tensors` in place of the model's parameters of those names; return what they replaced."""
-    slots = _SLOTS.get(model)
-    if slots is None:
-        slots = _SLOTS[model] = {}
-    replaced = {}
+    slots, replaced = _found(model).slots, {}
     for name, t in tensors.items():
-        slot = slots.get(name)
-        if slot is None:
-            path, _, attr = name.rpartition(".")
-            slot = slots[name] = (model.get_submodule(path), attr)
-        owner, attr = slot
+        owner, attr = slots[name]
         replaced[name] = owner._parameters[attr]
         owner._parameters[attr] = t
     return replaced
 
 
-def with_ties(model: nn.Module) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
-    """What gives tensors named as `model.named_parameters()` names them every name their parameter has: a
-    parameter two modules share (a head tied to its embedding) has one name there and one in each module.
-    `functional_call` finds those itself (tie_weights) by walking the whole model at each call, a third of a
-    12-block step's Python calls; here they are found once."""
-    names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    tied = {aliases[0]: aliases for aliases in names.values() if len(aliases) > 1}
-    return lambda tensors: {a: t for n, t in tensors.items() for a in tied.get(n, (n,))}
+def with_ties(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors`, named as `model.named_parameters()` names them, under every name their parameter has: for
+    `functional_call(..., tie_weights=False)`, which then need not find the tied ones itself."""
+    tied = _found(model).tied
+    return {a: t for n, t in tensors.items() for a in tied.get(n, (n,))}
 
 
 @contextlib.contextmanager

@@ -137,7 +137,6 @@ class ZeroEngine(BlockHooks, WholeState):
         self._tape: Optional[Tape] = None  # the last forward's, until its backward
         self._unit_named = {u.name: u for u in self.units}
         self._root = next((u for u in self.units if u.name == ""), None)  # parameters outside any block
-        self._with_ties = with_ties(model)
         self.gathering = UnitGathering(self.units, stage, comm, overlap, self.memory, secondary)
         if checkpointing.on and not self.gathering.blocks:
             raise ValueError("activation checkpointing recomputes blocks, and this model has none: give unit_names")
@@ -187,7 +186,7 @@ class ZeroEngine(BlockHooks, WholeState):
         views: dict[str, torch.Tensor] = {}
         if self._root is not None:
             self.gathering.gather(self._root, "params.fwd")
-            views = self._with_ties(self._unit_views(self._root))
+            views = with_ties(self.model, self._unit_views(self._root))
         self._tape = Tape(_outside_the_engine, self._read_unbound) if torch.is_grad_enabled() else None  # none to cut
         self.gathering.start_forward()
         try:

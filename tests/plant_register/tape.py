@@ -48,14 +48,14 @@ PLANTS: list[Plant] = [
           "its call: the caller's module is rewritten, and calling it outside the engine runs the engine's code",
           "issue 31", ("tests/test_engine_misuse.py", "-m", "not slow")),
     Plant("bound_modules_kept_across_models", "zerofunc/binding.py",
-          "    slots = _SLOTS.get(model)\n    if slots is None:\n        slots = _SLOTS[model] = {}\n",
-          "    slots = _SLOTS.setdefault(bind, {})\n",
+          "    found = _FOUND.get(model)\n",
+          "    found = next(iter(_FOUND.values()), None)\n",
           "the modules a parameter name binds into are found once per process, not per model: a second model of the "
           "same names (the planner's on meta, then the trainer's) has its blocks' weights bound into the first's",
           "issue 31", ("tests/test_llama_plan.py::test_planned_step_is_the_trained_step[llama-tiny]",)),
     Plant("tied_weight_bound_under_one_name", "zerofunc/binding.py",
-          "    tied = {aliases[0]: aliases for aliases in names.values() if len(aliases) > 1}\n",
-          "    tied = {}\n",
+          "_Found(slots, {a[0]: a for a in names.values() if len(a) > 1})",
+          "_Found(slots, {})",
           "a weight two modules share (a head tied to its embedding) is bound under its first name only: the other "
           "module computes with its released placeholder, on meta", "issue 31",
           ("tests/test_api.py::test_initialize_trains_any_module_like_one_device[0-sequential-blocks2]",)),
