@@ -1,8 +1,8 @@
 """The planner plans any nn.Module, and a Llama: planned against trained on 2 gloo ranks, every stage.
 
 zerofunc's llama-tiny, Hugging Face's LlamaForCausalLM (tiny config, GQA, widths
-that do not divide the world size) and T5 (an encoder's and a decoder's stacks of blocks,
-tests/hf_families.py) each run one real training step through
+that do not divide the world size), T5, BART and T5Gemma (an encoder's and a decoder's stacks of blocks,
+tests/hf_families.py; the last two read a value of the batch in their forward) each run one real training step through
 `zerofunc.initialize`, watched by the planner's own memory tracker, beside
 `simulate()` of the same plan: the communication must be equal to the byte (the whole
 ledger, entry by entry) and the peak within 5%.
@@ -30,12 +30,17 @@ def tiny_hf_llama():
                                         max_position_embeddings=64, attn_implementation="sdpa"))
 
 
-def tiny_t5():
-    from tests.hf_families import TWO_STACKS
-    return TWO_STACKS["t5"][0]()
+def two_stacks(name: str):
+    def build():
+        from tests.hf_families import TWO_STACKS
+        return TWO_STACKS[name][0]()
+    return build
 
 
-HF = {"hf": (tiny_hf_llama, 97), "t5": (tiny_t5, 53)}  # each Hugging Face model's builder and vocabulary
+# each Hugging Face model's builder and vocabulary; BART's and T5Gemma's forward read a value of the batch (whether
+# the padding mask is all ones), which the planner takes from the batch it simulates: full rows, no special id
+HF = {"hf": (tiny_hf_llama, 97), "t5": (two_stacks("t5"), 53), "bart": (two_stacks("bart"), 53),
+      "t5gemma": (two_stacks("t5gemma"), 53)}
 
 
 def plan_of(model, stage: int, world: int) -> Plan:
@@ -54,7 +59,7 @@ def planned_and_trained(model_name: str, stage: int):
     model = build() if build else plan.build()  # real weights, or meta and init_param
     engine = initialize(model, plan.zero_config(), device="cpu", comm=comm, memory=tracker, compile=False)
     gen = torch.Generator().manual_seed(comm.rank)
-    ids = torch.randint(0, vocab, (MICRO_BATCH, SEQ + 1), generator=gen)
+    ids = torch.randint(1, vocab, (MICRO_BATCH, SEQ + 1), generator=gen)  # 1: id 0 is tests/hf_families.py's special
     batch = {"input_ids": ids[:, :-1], "labels": ids[:, :-1].clone()} if build else (ids[:, :-1], ids[:, 1:])
     with tracker:
         train_step(engine, [batch])
@@ -66,7 +71,7 @@ def every_stage(model_name: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_name", ["llama-tiny", "hf", "t5"])
+@pytest.mark.parametrize("model_name", ["llama-tiny", "hf", "t5", "bart", "t5gemma"])
 def test_planned_step_is_the_trained_step(model_name):
     if model_name in HF:
         pytest.importorskip("transformers")

@@ -7,6 +7,7 @@ import inspect
 import os
 import sys
 import traceback
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
@@ -16,6 +17,7 @@ import torch.nn as nn
 
 from sim.attention import TargetAttention
 from sim.cost import Link, Replay, ledger_time, replay
+from sim.known_values import KnownValues, UnknownValue
 from sim.ledger import LedgerEntry
 from sim.memory import CATEGORIES, MemoryReport, MemoryTracker, report_of
 from sim.meta_cache import MetaKernelCache
@@ -86,17 +88,33 @@ def simulate(plan: Plan, timeline: bool = False, timing: bool = True, kernel_cac
     (zerofunc.plan.folding; the result is the same, checked as it is made).
     """
     model, units, block_runs = _built(plan)
+    if model not in _READS_VALUES:
+        try:
+            return _simulated(plan, model, units, block_runs, timeline, timing, kernel_cache, fold, False)
+        except (RuntimeError, NotImplementedError):  # as a meta kernel refuses to read a value it has not
+            pass  # (any other error the step raises again, knowing values)
+    simulation = _simulated(plan, model, units, block_runs, timeline, timing, kernel_cache, fold, True)
+    _READS_VALUES.add(model)
+    return simulation
+
+
+# the built models whose forward reads a value (sim.known_values): simulated knowing the batch's from the start
+_READS_VALUES: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def _simulated(plan: Plan, model: nn.Module, units: list[str], block_runs: Optional[list[int]], timeline: bool,
+               timing: bool, kernel_cache: bool, fold: bool, values: bool) -> Simulation:
     measured = folded = None
     if fold:
         def at(lengths: list[int]) -> Measured:
-            return _measure(plan, shortened(model, units, lengths, block_runs), timing, kernel_cache)
+            return _measure(plan, shortened(model, units, lengths, block_runs), timing, kernel_cache, values)
         # a run is cut to what the step needs to reach its steady pattern: the blocks gathered ahead, those whose
         # collectives stay in flight, and one period of layer-selective AC (one block in `every` recomputes)
         period = plan.checkpointing.every if plan.checkpointing.mode == "selective" else 1
         keep = plan.prefetch_depth + in_flight(model, units, plan.bucket_bytes) + period
         measured = folded = fold_runs(model, units, keep, at, period, block_runs)
     if measured is None:
-        measured = _measure(plan, model, timing, kernel_cache)
+        measured = _measure(plan, model, timing, kernel_cache, values)
     memory = report_of(measured.labels, measured.live, timeline)
     links = _links(plan)
     ledger, sums = measured.ledger, measured.sums
@@ -149,9 +167,10 @@ def _links(plan: Plan) -> dict[str, Link]:
     return links
 
 
-def _measure(plan: Plan, model: nn.Module, timing: bool, kernel_cache: bool) -> Measured:
+def _measure(plan: Plan, model: nn.Module, timing: bool, kernel_cache: bool, values: bool) -> Measured:
     """One step of `model` under `plan` on meta tensors, with the memory tracker, the roofline and the
-    recording communicators watching."""
+    recording communicators watching; `values`: knowing the batch's values, and those computed from them
+    (sim.known_values), for a model whose forward reads one."""
     profile, links = plan.profile, _links(plan)
     # each group's link also chooses its collectives, as the backend's rates do in a real run
     replicas = secondary = None
@@ -179,15 +198,23 @@ def _measure(plan: Plan, model: nn.Module, timing: bool, kernel_cache: bool) -> 
     engine = initialize(model, plan.zero_config(), device="meta", comm=comm, replicas=replicas, secondary=secondary,
                         memory=tracker, init=lambda name, shape: None, compile=False)
     batch = () if plan.params is not None else _meta_batch(plan, model)
-    # the kernel cache sits below the instruments: they see every op, each layer's meta kernels run once
-    with MetaKernelCache() if kernel_cache else contextlib.nullcontext(), tracker, roofline if timing else contextlib.nullcontext(), TargetAttention(profile.attention):
+    known = KnownValues() if values else None
+    if known is not None:
+        for t in (batch.values() if isinstance(batch, dict) else batch):
+            known.know(t, _token_values(model, t.shape))
+    # the kernel cache sits below the instruments: they see every op, each layer's meta kernels run once; the
+    # known values above them, whose own work on the host they do not see
+    instruments = (MetaKernelCache() if kernel_cache else None, tracker, roofline if timing else None,
+                   TargetAttention(profile.attention), known)
+    with contextlib.ExitStack() as entered:
+        for instrument in (i for i in instruments if i is not None):
+            entered.enter_context(instrument)
         try:
             train_step(engine, [batch] * plan.grad_accum)
-        except RuntimeError as e:
-            if "cannot be called on meta tensors" not in str(e):
-                raise
-            raise ValueError(f"{type(model).__name__}'s forward reads a tensor's value ({_reader(e)}), which a "
-                             "tensor on meta, as the planner simulates the step, does not have") from None
+        except UnknownValue as e:
+            raise ValueError(f"{type(model).__name__}'s forward reads a value ({_reader(e)}) computed from its weights "
+                             "or activations, which have none on meta, where the planner simulates the step: it knows "
+                             "only the batch's values (full rows, no padding) and those computed from them") from None
     sums = {"flops": float(roofline.flops), "compute_s": roofline.time_s,
             **{f"elsewhere:{k}": v for k, v in roofline.elsewhere_s.items()},
             **{f"bound:{k}": v for k, v in roofline.time_by_bound.items()}}
@@ -201,6 +228,21 @@ def _reader(e: BaseException) -> str:
     ours = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules["zerofunc"], sys.modules["sim"]))
     frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(ours)]
     return f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else "inside torch"
+
+
+def _token_values(model: nn.Module, shape: torch.Size) -> torch.Tensor:
+    """Token ids for the batch the planner simulates, as a trainer's packed batch has them: every row full, so
+    none is the pad id, nor another special id of the model's config; the same ids as labels, each a target."""
+    config = getattr(model, "config", None)
+    embeddings = (model.get_input_embeddings() if hasattr(model, "get_input_embeddings")
+                  else next((m for m in model.modules() if isinstance(m, nn.Embedding)), None))
+    vocab = getattr(embeddings, "num_embeddings", None) or getattr(config, "vocab_size", None) or 1
+    special = set()
+    for name in ("pad", "bos", "eos", "decoder_start"):  # an id, or a list of them (Llama 3's eos), or None
+        given = getattr(config, f"{name}_token_id", None)
+        special.update(given if isinstance(given, (list, tuple)) else [given])
+    ids = torch.tensor([i for i in range(min(vocab, 1024)) if i not in special] or [0])
+    return ids[torch.arange(shape.numel()) % len(ids)].reshape(shape)
 
 
 def _meta_batch(plan: Plan, model: nn.Module) -> tuple[torch.Tensor, ...] | dict[str, torch.Tensor]:
