@@ -37,22 +37,38 @@ def two_stacks(name: str):
     return build
 
 
-# each Hugging Face model's builder and vocabulary; BART's and T5Gemma's forward read a value of the batch (whether
-# the padding mask is all ones), which the planner takes from the batch it simulates: full rows, no special id
-HF = {"hf": (tiny_hf_llama, 97), "t5": (two_stacks("t5"), 53), "bart": (two_stacks("bart"), 53),
-      "t5gemma": (two_stacks("t5gemma"), 53)}
+def whisper_batch(micro_batch: int, seq: int) -> dict:
+    """Whisper's micro-batch: log-mel features (8 bins, 32 frames: tests/hf_families.py's config) and labels."""
+    gen = torch.Generator().manual_seed(micro_batch * 1000 + seq)
+    return {"input_features": torch.randn(micro_batch, 8, 32, generator=gen),
+            "labels": torch.randint(1, 53, (micro_batch, seq), generator=gen)}
 
 
-def plan_of(model, stage: int, world: int) -> Plan:
+def clip_batch(micro_batch: int, seq: int) -> dict:
+    """CLIP's micro-batch: captions and 16 x 16 images, and its contrastive loss asked for."""
+    gen = torch.Generator().manual_seed(micro_batch * 1000 + seq)
+    return {"input_ids": torch.randint(1, 53, (micro_batch, seq), generator=gen),
+            "pixel_values": torch.randn(micro_batch, 3, 16, 16, generator=gen), "return_loss": True}
+
+
+# each Hugging Face model's builder, vocabulary, and micro-batch where it takes no token ids and labels (the plan's
+# `batch`); BART's and T5Gemma's forward read a value of the batch (whether the padding mask is all ones), which the
+# planner takes from the batch it simulates: full rows, no special id
+HF = {"hf": (tiny_hf_llama, 97, None), "t5": (two_stacks("t5"), 53, None), "bart": (two_stacks("bart"), 53, None),
+      "t5gemma": (two_stacks("t5gemma"), 53, None), "whisper": (two_stacks("whisper"), 53, whisper_batch),
+      "clip": (two_stacks("clip"), 53, clip_batch)}
+
+
+def plan_of(model, stage: int, world: int, batch=None) -> Plan:
     return Plan(world_size=world, stage=stage, model=model, precision="fp32", micro_batch=MICRO_BATCH, seq=SEQ,
-                hardware="cpu-gloo")
+                hardware="cpu-gloo", batch=batch)
 
 
 def planned_and_trained(model_name: str, stage: int):
     """(whether the planned ledger is the executed one, planned peak, measured peak, collectives) on this rank."""
     comm = DistCommunicator()
-    build, vocab = HF.get(model_name, (None, 97))
-    plan = plan_of(build or model_name, stage, comm.world_size)
+    build, vocab, batch_of = HF.get(model_name, (None, 97, None))
+    plan = plan_of(build or model_name, stage, comm.world_size, batch_of)
     sim = simulate(plan)
     tracker = MemoryTracker()
     torch.manual_seed(0)
@@ -61,6 +77,8 @@ def planned_and_trained(model_name: str, stage: int):
     gen = torch.Generator().manual_seed(comm.rank)
     ids = torch.randint(1, vocab, (MICRO_BATCH, SEQ + 1), generator=gen)  # 1: id 0 is tests/hf_families.py's special
     batch = {"input_ids": ids[:, :-1], "labels": ids[:, :-1].clone()} if build else (ids[:, :-1], ids[:, 1:])
+    if batch_of is not None:
+        batch = batch_of(MICRO_BATCH, SEQ)
     with tracker:
         train_step(engine, [batch])
     return sim.ledger == comm.ledger.entries, sim.memory.peak, tracker.peak, len(sim.ledger)
@@ -71,7 +89,7 @@ def every_stage(model_name: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_name", ["llama-tiny", "hf", "t5", "bart", "t5gemma"])
+@pytest.mark.parametrize("model_name", ["llama-tiny", "hf", "t5", "bart", "t5gemma", "whisper", "clip"])
 def test_planned_step_is_the_trained_step(model_name):
     if model_name in HF:
         pytest.importorskip("transformers")
@@ -92,3 +110,12 @@ def test_the_kernel_cache_changes_nothing(model):
             cached, plain = (simulate(plan, timeline=True, kernel_cache=c) for c in (True, False))
             assert cached.memory.timeline == plain.memory.timeline
             assert (cached.ledger, cached.flops, cached.compute_s) == (plain.ledger, plain.flops, plain.compute_s)
+
+
+def test_a_plan_s_batch_is_refused_in_one_line_where_it_cannot_be_fed():
+    """`batch=` is a model callable's micro-batch: refused for a preset (whose batch is token ids), and where it
+    returns what no forward takes."""
+    with pytest.raises(ValueError, match="^batch= is a callable"):
+        Plan(world_size=2, stage=0, model="gpt2-tiny", batch=lambda b, s: ())
+    with pytest.raises(ValueError, match="^batch= returned int: give a tuple"):
+        simulate(Plan(world_size=2, stage=0, model=two_stacks("t5"), seq=8, batch=lambda b, s: 3))

@@ -20,6 +20,15 @@ PLANTS: list[Plant] = [
           "the planner's batch is all pad ids: a model that reads its padding mask is planned on the padded branch, "
           "where the trainer's packed batch takes the unpadded one", "issue 31 (any nn.Module)",
           ("tests/test_known_values.py::test_the_planner_s_batch_is_full_rows_of_ordinary_tokens",)),
+    Plant("plan_batch_ignored", "zerofunc/plan/simulation.py", "    if plan.batch is not None:\n",
+          "    if False:\n",
+          "a plan's own micro-batch (Whisper's features, CLIP's images) is not fed: the planner gives token ids to a "
+          "model that takes none", "issue 31 (any nn.Module)",
+          ("tests/test_llama_plan.py::test_planned_step_is_the_trained_step",)),
+    Plant("batch_values_not_given", "zerofunc/plan/simulation.py",
+          "            known.know(t, value)\n", "            pass\n",
+          "the planner's batch has no values: a model whose forward reads one (BART, T5Gemma) is refused",
+          "issue 31 (any nn.Module)", ("tests/test_llama_plan.py::test_planned_step_is_the_trained_step",)),
     Plant("known_value_kept_after_an_unknown_write", "sim/known_values.py",
           "        return twin[0] if twin is not None and twin[1] == t._version else None\n",
           "        return twin[0] if twin is not None else None\n",

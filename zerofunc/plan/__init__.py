@@ -12,7 +12,7 @@ size, so rank 0 is also the worst rank.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -37,6 +37,12 @@ class Plan:
     model directory, a model config, or any callable that returns an `nn.Module` built on the meta device
     (its units are then `default_units`, as in the trainer, and `seq` must be given).
     Give `params` instead for model states only.
+
+    `batch`, with a model callable: `batch(micro_batch, seq)` returns one micro-batch as the trainer feeds the
+    model (a tuple of its positional arguments or a dict of its keyword ones; Whisper's `input_features=`,
+    CLIP's `pixel_values=`), with values, on the host; the step is simulated on meta tensors of its shapes,
+    its values known (sim/known_values.py). Without it: token ids, as `input_ids=` and `labels=` where the
+    forward takes `input_ids`, else as (ids, targets).
     """
 
     world_size: int
@@ -58,6 +64,7 @@ class Plan:
     reduce_dtype: Optional[str] = None             # communication_data_type: gradients reduce in it (None: precision)
     lora: Optional[LoRA] = None                    # adapters trained on the frozen model (zerofunc/lora.py)
     gpus_per_node: Optional[int] = None            # the network's devices per node (None: the profile's)
+    batch: Optional[Callable[[int, int], Any]] = None  # a model callable's micro-batch, (micro_batch, seq) -> batch
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -91,6 +98,9 @@ class Plan:
             return
         if self.micro_batch < 1:
             raise ValueError(f"micro-batch must be at least 1, got {self.micro_batch}")
+        if self.batch is not None and not (self.foreign and callable(self.batch)):
+            raise ValueError("batch= is a callable (micro_batch, seq) -> one micro-batch, for a model given as a "
+                             "callable")
         if self.foreign:
             if self.seq is None or self.seq < 1:
                 raise ValueError("a model given as a callable has no known context: give seq, at least 1")

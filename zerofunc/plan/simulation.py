@@ -9,7 +9,7 @@ import sys
 import traceback
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import torch
@@ -22,6 +22,7 @@ from sim.ledger import LedgerEntry
 from sim.memory import CATEGORIES, MemoryReport, MemoryTracker, report_of
 from sim.meta_cache import MetaKernelCache
 from sim.roofline import ADAMW_BYTES_COUNTED, Roofline
+from sim.tensors import tensors
 from zerofunc.api import default_units, initialize
 from zerofunc.comm import RecordingCommunicator
 from zerofunc.plan.folding import in_flight, runs, shortened, stack
@@ -197,11 +198,12 @@ def _measure(plan: Plan, model: nn.Module, timing: bool, kernel_cache: bool, val
     # Built as the trainer builds it (fp16's loss scaler included), only on meta and without weights.
     engine = initialize(model, plan.zero_config(), device="meta", comm=comm, replicas=replicas, secondary=secondary,
                         memory=tracker, init=lambda name, shape: None, compile=False)
-    batch = () if plan.params is not None else _meta_batch(plan, model)
+    host = () if plan.params is not None else _host_batch(plan, model)
+    batch = _on_meta(host)
     known = KnownValues() if values else None
     if known is not None:
-        for t in (batch.values() if isinstance(batch, dict) else batch):
-            known.know(t, _token_values(model, t.shape))
+        for t, value in zip(tensors(batch), tensors(host)):
+            known.know(t, value)
     # the kernel cache sits below the instruments: they see every op, each layer's meta kernels run once; the
     # known values above them, whose own work on the host they do not see
     instruments = (MetaKernelCache() if kernel_cache else None, tracker, roofline if timing else None,
@@ -230,6 +232,22 @@ def _reader(e: BaseException) -> str:
     return f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else "inside torch"
 
 
+def _host_batch(plan: Plan, model: nn.Module) -> Any:
+    """One micro-batch as the trainer feeds it, with values, on the host: the plan's own (`Plan.batch`), or token
+    ids as a trainer's packed batch has them (`_token_values`), as the model takes them: input_ids= and labels=
+    for Hugging Face's, (inputs, targets) for zerofunc's and any module that takes them so."""
+    if plan.batch is not None:
+        batch = plan.batch(plan.micro_batch, plan.tokens)
+        if not isinstance(batch, (tuple, list, dict)) or next(tensors(batch), None) is None:
+            raise ValueError(f"batch= returned {type(batch).__name__}: give a tuple of the model's positional "
+                             "arguments or a dict of its keyword ones, tensors among them")
+        return batch
+    ids = _token_values(model, torch.Size((plan.micro_batch, plan.tokens)))
+    if plan.foreign and "input_ids" in inspect.signature(model.forward).parameters:
+        return {"input_ids": ids, "labels": ids.clone()}
+    return ids, ids.clone()
+
+
 def _token_values(model: nn.Module, shape: torch.Size) -> torch.Tensor:
     """Token ids for the batch the planner simulates, as a trainer's packed batch has them: every row full, so
     none is the pad id, nor another special id of the model's config; the same ids as labels, each a target."""
@@ -245,11 +263,10 @@ def _token_values(model: nn.Module, shape: torch.Size) -> torch.Tensor:
     return ids[torch.arange(shape.numel()) % len(ids)].reshape(shape)
 
 
-def _meta_batch(plan: Plan, model: nn.Module) -> tuple[torch.Tensor, ...] | dict[str, torch.Tensor]:
-    """Token ids and targets of one micro-batch, as the model takes them: (inputs, targets) for
-    zerofunc's models and any module that takes them so, input_ids= and labels= for Hugging Face's."""
-    shape = (plan.micro_batch, plan.tokens)
-    ids, targets = (torch.zeros(shape, dtype=torch.long, device="meta") for _ in range(2))
-    if plan.foreign and "input_ids" in inspect.signature(model.forward).parameters:
-        return {"input_ids": ids, "labels": targets}
-    return ids, targets
+def _on_meta(x: Any) -> Any:
+    """`x` with each tensor in it replaced by an empty one of its shape on meta (anything else as it is)."""
+    if isinstance(x, torch.Tensor):
+        return torch.empty_like(x, device="meta")
+    if isinstance(x, dict):
+        return {k: _on_meta(v) for k, v in x.items()}
+    return type(x)(_on_meta(v) for v in x) if isinstance(x, (tuple, list)) else x
