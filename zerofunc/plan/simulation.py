@@ -87,6 +87,10 @@ def simulate(plan: Plan, timeline: bool = False, timing: bool = True, kernel_cac
     (sim.meta_cache; the result is the same, only slower). `fold=False` simulates every block,
     where the default simulates a run of identical blocks at three short lengths and extends it
     (zerofunc.plan.folding; the result is the same, checked as it is made).
+
+    A model whose forward reads a value (an `if mask.all()`: a meta tensor has none) is simulated again,
+    knowing the batch's values and those computed from them alone (sim/known_values.py), and from then on
+    knowing them from the start.
     """
     model, units, block_runs = _built(plan)
     if model not in _READS_VALUES:
