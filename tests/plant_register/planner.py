@@ -29,6 +29,12 @@ PLANTS: list[Plant] = [
           "            known.know(t, value)\n", "            pass\n",
           "the planner's batch has no values: a model whose forward reads one (BART, T5Gemma) is refused",
           "issue 31 (any nn.Module)", ("tests/test_llama_plan.py::test_planned_step_is_the_trained_step",)),
+    Plant("plan_workers_fork_with_their_parent_s_threads", "zerofunc/plan/workers.py",
+          'mp_context=multiprocessing.get_context("fork"), initializer=_one_thread)',
+          'mp_context=multiprocessing.get_context("fork"))',
+          "python -m zerofunc.plan hangs for good in a process that computed on the host before it forked its "
+          "workers (a test session; a caller's notebook): GNU OpenMP waits there for its parent's threads",
+          "issue 31 (a hang found in the suite)", ("tests/test_plan_workers.py",)),
     Plant("known_value_kept_after_an_unknown_write", "sim/known_values.py",
           "        return twin[0] if twin is not None and twin[1] == t._version else None\n",
           "        return twin[0] if twin is not None else None\n",

@@ -48,4 +48,12 @@ def mapper(workers: int, plans: list[Plan]):
 
 
 def forked(workers: int) -> ProcessPoolExecutor:
-    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=_one_thread)
+
+
+def _one_thread() -> None:
+    """A forked worker computes on the host on one thread: the parent's OpenMP team does not exist in it, and
+    GNU OpenMP, asked for one of more threads there, waits for it forever. A simulation's host work is small
+    (the batch's token ids, the twins of what a forward reads: sim/known_values.py)."""
+    import torch
+    torch.set_num_threads(1)
