@@ -118,4 +118,5 @@ def test_a_plan_s_batch_is_refused_in_one_line_where_it_cannot_be_fed():
     with pytest.raises(ValueError, match="^batch= is a callable"):
         Plan(world_size=2, stage=0, model="gpt2-tiny", batch=lambda b, s: ())
     with pytest.raises(ValueError, match="^batch= returned int: give a tuple"):
-        simulate(Plan(world_size=2, stage=0, model=two_stacks("t5"), seq=8, batch=lambda b, s: 3))
+        simulate(Plan(world_size=2, stage=0, model=lambda: torch.nn.Sequential(torch.nn.Embedding(5, 4)), seq=8,
+                      batch=lambda b, s: 3))
