@@ -1,8 +1,9 @@
 """The planner plans any nn.Module, and a Llama: planned against trained on 2 gloo ranks, every stage.
 
 zerofunc's llama-tiny, Hugging Face's LlamaForCausalLM (tiny config, GQA, widths
-that do not divide the world size), T5, BART and T5Gemma (an encoder's and a decoder's stacks of blocks,
-tests/hf_families.py; the last two read a value of the batch in their forward) each run one real training step through
+that do not divide the world size), T5, BART, T5Gemma, Whisper and CLIP (two stacks of blocks each,
+tests/hf_families.py; BART and T5Gemma read a value of the batch in their forward, Whisper and CLIP take
+features and images, the plan's own `batch`) each run one real training step through
 `zerofunc.initialize`, watched by the planner's own memory tracker, beside
 `simulate()` of the same plan: the communication must be equal to the byte (the whole
 ledger, entry by entry) and the peak within 5%.
@@ -76,9 +77,10 @@ def planned_and_trained(model_name: str, stage: int):
     engine = initialize(model, plan.zero_config(), device="cpu", comm=comm, memory=tracker, compile=False)
     gen = torch.Generator().manual_seed(comm.rank)
     ids = torch.randint(1, vocab, (MICRO_BATCH, SEQ + 1), generator=gen)  # 1: id 0 is tests/hf_families.py's special
-    batch = {"input_ids": ids[:, :-1], "labels": ids[:, :-1].clone()} if build else (ids[:, :-1], ids[:, 1:])
     if batch_of is not None:
         batch = batch_of(MICRO_BATCH, SEQ)
+    else:
+        batch = {"input_ids": ids[:, :-1], "labels": ids[:, :-1].clone()} if build else (ids[:, :-1], ids[:, 1:])
     with tracker:
         train_step(engine, [batch])
     return sim.ledger == comm.ledger.entries, sim.memory.peak, tracker.peak, len(sim.ledger)

@@ -218,9 +218,9 @@ def _measure(plan: Plan, model: nn.Module, timing: bool, kernel_cache: bool, val
         try:
             train_step(engine, [batch] * plan.grad_accum)
         except UnknownValue as e:
-            raise ValueError(f"{type(model).__name__}'s forward reads a value ({_reader(e)}) computed from its weights "
-                             "or activations, which have none on meta, where the planner simulates the step: it knows "
-                             "only the batch's values (full rows, no padding) and those computed from them") from None
+            raise ValueError(f"{type(model).__name__}'s forward reads a value ({_reader(e)}) the planner cannot know: "
+                             "on meta tensors it knows the batch's values (full rows, no padding) and those computed "
+                             "from them alone, not the weights', the activations' or a random draw's") from None
     sums = {"flops": float(roofline.flops), "compute_s": roofline.time_s,
             **{f"elsewhere:{k}": v for k, v in roofline.elsewhere_s.items()},
             **{f"bound:{k}": v for k, v in roofline.time_by_bound.items()}}
@@ -256,8 +256,10 @@ def _token_values(model: nn.Module, shape: torch.Size) -> torch.Tensor:
     """Token ids for the batch the planner simulates, as a trainer's packed batch has them: every row full, so
     none is the pad id, nor another special id of the model's config; the same ids as labels, each a target."""
     config = getattr(model, "config", None)
-    embeddings = (model.get_input_embeddings() if hasattr(model, "get_input_embeddings")
-                  else next((m for m in model.modules() if isinstance(m, nn.Embedding)), None))
+    try:  # a Hugging Face model's own (not every one implements it), else the first embedding
+        embeddings = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        embeddings = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
     vocab = getattr(embeddings, "num_embeddings", None) or getattr(config, "vocab_size", None) or 1
     special = set()
     for name in ("pad", "bos", "eos", "decoder_start"):  # an id, or a list of them (Llama 3's eos), or None
