@@ -52,10 +52,20 @@ def clip_batch(micro_batch: int, seq: int) -> dict:
             "pixel_values": torch.randn(micro_batch, 3, 16, 16, generator=gen), "return_loss": True}
 
 
-# each Hugging Face model's builder, vocabulary, and micro-batch where it takes no token ids and labels (the plan's
-# `batch`); BART's and T5Gemma's forward read a value of the batch (whether the padding mask is all ones), which the
-# planner takes from the batch it simulates: full rows, no special id
-HF = {"hf": (tiny_hf_llama, 97, None), "t5": (two_stacks("t5"), 53, None), "bart": (two_stacks("bart"), 53, None),
+def padded_batch(micro_batch: int, seq: int) -> dict:
+    """Llama's micro-batch with its first row padded (its last 3 positions masked, their labels ignored): the
+    forward reads that the mask is not all ones, and attends through it."""
+    ids = torch.randint(1, 97, (micro_batch, seq), generator=torch.Generator().manual_seed(seq))
+    mask = torch.ones(micro_batch, seq, dtype=torch.long)
+    mask[0, -3:] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+# each Hugging Face model's builder, vocabulary, and micro-batch where it takes no token ids and labels, or a padded
+# one (the plan's `batch`); BART's and T5Gemma's forward read a value of the batch (whether the padding mask is all
+# ones), which the planner takes from the batch it simulates: full rows, no special id, unless `batch` says otherwise
+HF = {"hf": (tiny_hf_llama, 97, None), "hf-padded": (tiny_hf_llama, 97, padded_batch),
+      "t5": (two_stacks("t5"), 53, None), "bart": (two_stacks("bart"), 53, None),
       "t5gemma": (two_stacks("t5gemma"), 53, None), "whisper": (two_stacks("whisper"), 53, whisper_batch),
       "clip": (two_stacks("clip"), 53, clip_batch)}
 
@@ -91,7 +101,7 @@ def every_stage(model_name: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_name", ["llama-tiny", "hf", "t5", "bart", "t5gemma", "whisper", "clip"])
+@pytest.mark.parametrize("model_name", ["llama-tiny", "hf", "hf-padded", "t5", "bart", "t5gemma", "whisper", "clip"])
 def test_planned_step_is_the_trained_step(model_name):
     if model_name in HF:
         pytest.importorskip("transformers")
