@@ -80,8 +80,8 @@ class KnownValues(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        inputs = list(tensors((args, kwargs)))
-        twins = [self.value_of(t) for t in inputs]
+        twin_of = {id(t): self.value_of(t) for t in tensors((args, kwargs))}  # each input's twin, by the input
+        twins = list(twin_of.values())
         written = list(tensors(_written(func, args, kwargs)))
         known = (all(t is not None for t in twins) and func not in _NO_VALUE
                  and torch.Tag.nondeterministic_seeded not in func.tags and all(
@@ -94,39 +94,33 @@ class KnownValues(TorchDispatchMode):
                 raise
             if not known:
                 raise UnknownValue(f"{func} read the value of a tensor computed from others with none on meta") from e
-            return self._read(func, args, kwargs, inputs, twins)
+            return self._read(func, args, kwargs, twin_of)
         if known and all(o.numel() <= LIMIT for o in tensors(out) if o.device.type == "meta"):
-            self._twin(func, args, kwargs, inputs, twins, out, written, versions)
+            self._twin(func, args, kwargs, twin_of, out, written, versions)
         return out
 
-    def _on_twins(self, func, args, kwargs, inputs, twins):
-        """`func` run on the host, each meta input replaced by its twin, with every dispatch mode off."""
-        by_id = {id(t): v for t, v in zip(inputs, twins)}
-
+    def _on_twins(self, func, args, kwargs, twin_of):
+        """`func` run on the host, each input replaced by its twin (`twin_of`), with every dispatch mode off."""
         def host(x):
             if isinstance(x, torch.Tensor):
-                return by_id[id(x)]
+                return twin_of[id(x)]
             if isinstance(x, torch.device) and x.type == "meta":
                 return torch.device("cpu")
             if isinstance(x, (tuple, list)):
                 return type(x)(host(y) for y in x)
             return x
-        host_kwargs = {k: host(v) for k, v in kwargs.items()}
-        if host_kwargs.get("device") in ("meta", torch.device("meta")):
-            host_kwargs["device"] = torch.device("cpu")
         with _disable_current_modes():
-            return func(*host(args), **host_kwargs)
+            return func(*host(args), **{k: host(v) for k, v in kwargs.items()})
 
-    def _twin(self, func, args, kwargs, inputs, twins, out, written, versions) -> None:
+    def _twin(self, func, args, kwargs, twin_of, out, written, versions) -> None:
         try:
-            result = self._on_twins(func, args, kwargs, inputs, twins)
+            result = self._on_twins(func, args, kwargs, twin_of)
         except (RuntimeError, NotImplementedError, IndexError):  # the host refuses what meta took (an id past a
             return  # table's end): no twin, and those written have none from here on (their version moved)
-        twin_of = {id(t): v for t, v in zip(inputs, twins)}
         self._written_alike(written, versions, [twin_of[id(w)] for w in written])
         # a view's twin is a view of its base's, so that a write reaches both; the view shares its base's version
         # once it returns through autograd's view kernel, above this mode
-        version = inputs[0]._version if func.is_view else 0
+        version = args[0]._version if func.is_view else 0
         for o, r in zip(tensors(out), tensors(result)):
             if o.device.type == "meta" and id(o) not in twin_of:  # not an input written in place, which holds its own
                 self._twins[o] = (r, version)
@@ -144,9 +138,9 @@ class KnownValues(TorchDispatchMode):
             for t, value in alike:
                 self._twins[t] = (value, before + 1)
 
-    def _read(self, func, args, kwargs, inputs, twins):
+    def _read(self, func, args, kwargs, twin_of):
         try:
-            result = self._on_twins(func, args, kwargs, inputs, twins)
+            result = self._on_twins(func, args, kwargs, twin_of)
         except (RuntimeError, NotImplementedError, IndexError) as e:
             raise UnknownValue(f"{func} read a value its inputs' known values do not give: {e}") from e
         if torch.Tag.dynamic_output_shape not in func.tags:

@@ -85,11 +85,10 @@ def planned_and_trained(model_name: str, stage: int):
     torch.manual_seed(0)
     model = build() if build else plan.build()  # real weights, or meta and init_param
     engine = initialize(model, plan.zero_config(), device="cpu", comm=comm, memory=tracker, compile=False)
-    gen = torch.Generator().manual_seed(comm.rank)
-    ids = torch.randint(1, vocab, (MICRO_BATCH, SEQ + 1), generator=gen)  # 1: id 0 is tests/hf_families.py's special
     if batch_of is not None:
         batch = batch_of(MICRO_BATCH, SEQ)
-    else:
+    else:  # from 1: id 0 is tests/hf_families.py's special
+        ids = torch.randint(1, vocab, (MICRO_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(comm.rank))
         batch = {"input_ids": ids[:, :-1], "labels": ids[:, :-1].clone()} if build else (ids[:, :-1], ids[:, 1:])
     with tracker:
         train_step(engine, [batch])

@@ -64,7 +64,7 @@ PLANTS: list[Plant] = [
           "are refused", "issue 31 (any nn.Module)",
           ("tests/test_known_values.py::test_a_value_computed_from_the_batch_alone_is_read_as_the_host_computes_it",)),
     Plant("known_value_of_a_view_at_its_own_version", "sim/known_values.py",
-          "        version = inputs[0]._version if func.is_view else 0\n", "        version = 0\n",
+          "        version = args[0]._version if func.is_view else 0\n", "        version = 0\n",
           "a view made after its base was written is taken at version 0, not its base's: its reads are refused",
           "issue 31 (any nn.Module)",
           ("tests/test_known_values.py::test_a_value_computed_from_the_batch_alone_is_read_as_the_host_computes_it",)),
